@@ -1,0 +1,57 @@
+"""A plain NumPy model of the cache semantics, independent of jaxkv's implementation.
+
+The model stores, per layer and per batch row, a Python list of tokens; each token is a
+``(key [H, D], value [H, D])`` pair. Operations are written the obvious way (list append,
+slicing, list comprehension) so that they can serve as the reference for both caches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+
+class ReferenceCache:
+    def __init__(self, num_layers: int, batch: int):
+        self.rows = [[[] for _ in range(batch)] for _ in range(num_layers)]
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows[0])
+
+    def length(self, layer: int, row: int) -> int:
+        return len(self.rows[layer][row])
+
+    def update(self, layer: int, keys: np.ndarray, values: np.ndarray, num_new=None) -> None:
+        """keys/values [B, H, T, D]; row b appends its first num_new[b] tokens."""
+        batch, _, new_tokens, _ = keys.shape
+        for b in range(batch):
+            n = new_tokens if num_new is None else int(num_new[b])
+            for t in range(n):
+                self.rows[layer][b].append((keys[b, :, t, :].copy(), values[b, :, t, :].copy()))
+
+    def crop(self, max_length) -> None:
+        m = np.broadcast_to(np.asarray(max_length), (self.batch,))
+        for b in range(self.batch):
+            target = int(m[b]) if m[b] >= 0 else max(self.length(0, b) + int(m[b]), 0)
+            for layer in self.rows:
+                del layer[b][target:]
+
+    def select(self, indices) -> None:
+        self.rows = [[copy.deepcopy(layer[i]) for i in indices] for layer in self.rows]
+
+    def repeat(self, r: int) -> None:
+        self.rows = [[copy.deepcopy(row) for row in layer for _ in range(r)] for layer in self.rows]
+
+    def reset(self) -> None:
+        self.rows = [[[] for _ in layer] for layer in self.rows]
+
+    def layer_arrays(self, layer: int, row: int, heads: int, head_dim: int):
+        tokens = self.rows[layer][row]
+        if not tokens:
+            empty = np.zeros((heads, 0, head_dim), np.float32)
+            return empty, empty
+        keys = np.stack([k for k, _ in tokens], axis=1)
+        values = np.stack([v for _, v in tokens], axis=1)
+        return keys, values
