@@ -70,6 +70,12 @@ def _static_int(x: Any) -> int | None:
     return None
 
 
+def _flag(condition: Array, bit: int) -> Array:
+    # Explicit int32 operands: a weak-typed int64 under jax_enable_x64 OR-ed into an int32
+    # array crashes jaxlib 0.10.2 on CPU (segfault), and flags must stay int32 anyway.
+    return jnp.where(condition, jnp.int32(bit), jnp.int32(0))
+
+
 def _check_states(key_states: Any, value_states: Any, who: str) -> tuple[Array, Array]:
     key_states = jnp.asarray(key_states)
     value_states = jnp.asarray(value_states)
@@ -595,7 +601,7 @@ class StaticCache:
         Call it before the forward pass (it reads the current lengths); RoPE and causal
         masks take their positions from here.
         """
-        return self.seq_lengths(layer_idx)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
+        return self.seq_lengths(layer_idx)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
 
     def check(self) -> StaticCache:
         """Raises ``CacheError`` on the host if any flag is set; returns ``self`` otherwise."""
@@ -713,9 +719,8 @@ class StaticCache:
         )
         new_len = jnp.minimum(old + count, capacity)
         lengths = self.lengths.at[write_layer].set(new_len, mode="drop")
-        flags = self.flags
-        flags = flags | jnp.where(old + count > capacity, OVERFLOW, 0)
-        flags = flags | jnp.where(invalid_row | jnp.logical_not(layer_ok), INVALID, 0)
+        flags = self.flags | _flag(old + count > capacity, OVERFLOW)
+        flags = flags | _flag(invalid_row | jnp.logical_not(layer_ok), INVALID)
         new = StaticCache(keys=keys, values=values, lengths=lengths, flags=flags)
         return new, keys[safe_layer], values[safe_layer]
 
@@ -753,7 +758,7 @@ class StaticCache:
             keys=jnp.take(self.keys, safe, axis=1),
             values=jnp.take(self.values, safe, axis=1),
             lengths=jnp.where(ok[None, :], jnp.take(self.lengths, safe, axis=1), 0),
-            flags=jnp.where(ok, jnp.take(self.flags, safe, axis=0), INVALID),
+            flags=jnp.where(ok, jnp.take(self.flags, safe, axis=0), jnp.int32(INVALID)),
         )
 
     def reorder_cache(self, beam_idx: Any) -> StaticCache:

@@ -1,0 +1,536 @@
+"""Unit tests of DynamicCache and StaticCache: ops eager vs jit, vmap, scan, donation,
+compile counts, overflow policy, conversions and every bad-input path."""
+
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cache_checks import assert_matches_reference
+from jaxkv import INVALID, OVERFLOW, CacheError, DynamicCache, StaticCache
+from reference import ReferenceCache
+
+L, B, H, D, S = 3, 2, 2, 4, 16
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def states(t, *, batch=B, seed=0, dtype=jnp.float32):
+    """Keys and values that differ from each other (so a k/v mix-up shows)."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    keys = jax.random.normal(k1, (batch, H, t, D), dtype)
+    values = jax.random.normal(k2, (batch, H, t, D), dtype) + 10.0
+    return keys, values
+
+
+def empty_static(**kw):
+    args = dict(num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, max_length=S)
+    args.update(kw)
+    return StaticCache.init(**args)
+
+
+def filled_static():
+    cache = empty_static()
+    for layer in range(L):
+        k, v = states(5, seed=layer)
+        cache, _, _ = cache.update(k, v, layer, num_new=jnp.array([5, 3]))
+    return cache
+
+
+def filled_dynamic():
+    cache = DynamicCache()
+    for layer in range(L):
+        k, v = states(5, seed=layer)
+        cache, _, _ = cache.update(k, v, layer)
+    return cache
+
+
+# ----------------------------------------------------------------------- DynamicCache
+
+
+def test_dynamic_construction_and_protocol():
+    assert len(DynamicCache()) == 0
+    cache = DynamicCache(num_layers=4)
+    assert len(cache) == 4 and cache.get_seq_length(3) == 0 and cache.get_max_length() is None
+    k, v = states(3)
+    cache2, keys, values = cache.update(k, v, 2)
+    assert cache.get_seq_length(2) == 0  # the old cache is unchanged
+    assert cache2.get_seq_length(2) == 3 and cache2.get_seq_length(0) == 0
+    chex.assert_trees_all_equal((keys, values), (k, v))
+    cache3, _, _ = cache2.update(k, v, 6)  # grows the layer list
+    assert len(cache3) == 7 and cache3.get_seq_length(6) == 3
+    legacy = filled_dynamic().to_legacy_cache()
+    again = DynamicCache.from_legacy_cache(legacy)
+    chex.assert_trees_all_equal(again.to_legacy_cache(), legacy)
+    assert [kv[0].shape for kv in again] == [(B, H, 5, D)] * L
+    np.testing.assert_array_equal(again[1][1], legacy[1][1])
+
+
+def test_dynamic_update_concatenates_and_keeps_dtype():
+    k, v = states(2, dtype=jnp.bfloat16)
+    cache, _, _ = DynamicCache().update(k, v, 0)
+    k32, v32 = states(3, seed=1)
+    cache, keys, values = cache.update(k32, v32, 0)
+    assert keys.dtype == jnp.bfloat16 and values.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(keys[:, :, 2:], k32.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(values[:, :, :2], v)
+
+
+def test_dynamic_crop_semantics():
+    cache = filled_dynamic()
+    assert cache.crop(3).get_seq_length() == 3
+    assert cache.crop(-2).get_seq_length(2) == 3
+    assert cache.crop(-9).get_seq_length() == 0
+    assert cache.crop(5).get_seq_length() == 5 and cache.crop(50).get_seq_length() == 5
+    empty = cache.crop(0)
+    assert [empty.get_seq_length(i) for i in range(L)] == [0] * L
+    k, v = states(2, seed=7)
+    _, keys, _ = empty.update(k, v, 0)
+    np.testing.assert_array_equal(keys, k)
+
+
+def test_dynamic_row_ops():
+    cache = filled_dynamic()
+    k0 = cache[0][0]
+    np.testing.assert_array_equal(cache.reorder_cache(jnp.array([1, 0]))[0][0], k0[::-1])
+    np.testing.assert_array_equal(cache.batch_select_indices(jnp.array([1]))[0][0], k0[1:])
+    rep = cache.batch_repeat_interleave(2)[0][0]
+    np.testing.assert_array_equal(rep, k0[jnp.array([0, 0, 1, 1])])
+    assert len(cache.reset()) == L and cache.reset().get_seq_length() == 0
+
+
+def test_dynamic_under_jit_compiles_once_per_length():
+    traces = []
+
+    @jax.jit
+    def step(cache, k, v):
+        traces.append(1)
+        cache, _, _ = cache.update(k, v, 0)
+        return cache
+
+    cache = DynamicCache(num_layers=1)
+    k, v = states(1)
+    for _ in range(3):
+        cache = step(cache, k, v)
+    assert cache.get_seq_length() == 3
+    assert len(traces) == 3  # one per new length: growing shapes, as documented
+    ref = DynamicCache(num_layers=1)
+    for _ in range(3):
+        ref, _, _ = ref.update(k, v, 0)
+    chex.assert_trees_all_equal(cache, ref)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda c, k, v: c.update(k[0], v[0], 0), ValueError, "rank 4"),
+        (lambda c, k, v: c.update(k, v[:, :, :1], 0), ValueError, "same shape"),
+        (lambda c, k, v: c.update(k[:, :1], v[:, :1], 0), ValueError, "kv_heads=1 but the cache holds kv_heads=2"),
+        (lambda c, k, v: c.update(k[:1], v[:1], 1), ValueError, "batch=1"),
+        (lambda c, k, v: c.update(k, v, -1), ValueError, "layer_idx must be >= 0"),
+        (lambda c, k, v: c.update(k, v, 0.5), TypeError, "layer_idx must be a Python int"),
+        (lambda c, k, v: c.update(k.astype(jnp.int32), v, 0), TypeError, "floating dtype"),
+        (lambda c, k, v: c.reorder_cache(jnp.array([0, 2])), ValueError, "row index 2"),
+        (lambda c, k, v: c.reorder_cache(jnp.array([0])), ValueError, "one entry per row"),
+        (lambda c, k, v: c.batch_select_indices(jnp.array([-1])), ValueError, "out of range"),
+        (lambda c, k, v: c.batch_select_indices(jnp.array([0.0])), ValueError, "1-D integer"),
+        (lambda c, k, v: c.batch_repeat_interleave(0), ValueError, "repeats must be >= 1"),
+        (lambda c, k, v: c.crop(jnp.array([1, 2])), TypeError, "per-row rollback use StaticCache"),
+        (lambda c, k, v: c[5], IndexError, "out of range"),
+        (lambda c, k, v: DynamicCache(num_layers=2)[0], ValueError, "not been seeded"),
+    ],
+)
+def test_dynamic_bad_input(call, exc, match):
+    cache = DynamicCache(num_layers=2)
+    k, v = states(2)
+    cache, _, _ = cache.update(k, v, 0)
+    with pytest.raises(exc, match=match):
+        call(cache, k, v)
+
+
+def test_dynamic_traced_bad_index_gives_nan_rows():
+    cache = filled_dynamic()
+    out = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.array([1, 7]))
+    assert np.isnan(np.asarray(out[0][0][1])).all()
+    np.testing.assert_array_equal(out[0][0][0], cache[0][0][1])
+
+
+# ------------------------------------------------------------------------ StaticCache
+
+
+def test_static_init_and_protocol():
+    cache = empty_static(dtype=jnp.bfloat16)
+    assert len(cache) == L and cache.get_max_length() == S and cache.get_seq_length() == 0
+    assert cache.keys.shape == (L, B, H, S, D) and cache.dtype == jnp.bfloat16
+    assert cache.lengths.dtype == jnp.int32 and cache.flags.dtype == jnp.int32
+    keys, values = cache[1]
+    assert keys.shape == values.shape == (B, H, S, D)
+    assert len(list(cache)) == L
+
+
+def test_static_per_row_lengths_and_positions():
+    cache = empty_static()
+    k, v = states(4)
+    np.testing.assert_array_equal(cache.positions(4), [[0, 1, 2, 3]] * 2)
+    cache, keys, values = cache.update(k, v, 0, num_new=jnp.array([4, 2]))
+    np.testing.assert_array_equal(cache.seq_lengths(0), [4, 2])
+    assert cache.get_seq_length(0) == 4 and cache.get_seq_length(1) == 0
+    np.testing.assert_array_equal(keys[0, :, :4], k[0])
+    np.testing.assert_array_equal(values[1, :, :2], v[1, :, :2])
+    assert not np.asarray(keys[1, :, 2:]).any()  # tokens past num_new are not stored
+    np.testing.assert_array_equal(cache.positions(2, 0), [[4, 5], [2, 3]])
+
+
+def test_all_layers_of_one_pass_write_at_the_same_positions():
+    cache = empty_static()
+    k, v = states(3)
+    cache, _, _ = cache.update(k, v, 0, num_new=jnp.array([3, 1]))
+    positions = cache.positions(2, 0)
+    for layer in range(L):  # a full forward pass: layer 0 is updated first
+        if layer:
+            cache, _, _ = cache.update(k, v, layer, num_new=jnp.array([3, 1]))
+    k2, v2 = states(2, seed=4)
+    for layer in range(L):
+        cache, keys, _ = cache.update(k2, v2, layer)
+        for b in range(B):
+            p = np.asarray(positions[b])
+            np.testing.assert_array_equal(np.asarray(keys[b])[:, p], np.asarray(k2[b]))
+    np.testing.assert_array_equal(cache.lengths, [[5, 3]] * L)
+
+
+def test_static_crop_is_exact_and_moves_no_data():
+    k, v = states(6)
+    base = empty_static()
+    cache, _, _ = base.update(k, v, 0)
+    cropped = cache.crop(jnp.array([2, 4]))
+    assert cropped.keys is cache.keys  # no data moved
+    k2, v2 = states(3, seed=2)
+    after, _, _ = cropped.update(k2, v2, 0)
+    ref = ReferenceCache(L, B)
+    ref.update(0, np.asarray(k), np.asarray(v), [2, 4])
+    ref.update(0, np.asarray(k2), np.asarray(v2))
+    assert_matches_reference(after, ref, heads=H, head_dim=D)
+    np.testing.assert_array_equal(cache.crop(-2).seq_lengths(0), [4, 4])
+    np.testing.assert_array_equal(cache.crop(0).seq_lengths(0), [0, 0])
+    np.testing.assert_array_equal(cache.crop(99).seq_lengths(0), [6, 6])
+
+
+def test_static_row_ops_and_reset_rows():
+    cache = filled_static()
+    re = cache.reorder_cache(jnp.array([1, 0]))
+    np.testing.assert_array_equal(re.lengths, cache.lengths[:, ::-1])
+    np.testing.assert_array_equal(re.keys, cache.keys[:, ::-1])
+    sel = cache.batch_select_indices(jnp.array([1, 1, 0]))
+    assert sel.batch_size == 3 and sel.lengths[0].tolist() == [3, 3, 5]
+    rep = cache.batch_repeat_interleave(2)
+    assert rep.lengths[0].tolist() == [5, 5, 3, 3]
+    np.testing.assert_array_equal(rep.values[:, 2], cache.values[:, 1])
+    part = cache.reset(jnp.array([False, True]))
+    assert part.lengths[:, 1].tolist() == [0] * L and part.lengths[:, 0].tolist() == [5] * L
+    assert cache.reset().get_seq_length() == 0
+
+
+K3, V3 = states(2, seed=3)  # computed eagerly once: jit must see the same inputs
+
+
+def _all_ops(cache):
+    k, v = K3, V3
+    outs = {}
+    outs["update"] = cache.update(k, v, 1, num_new=jnp.array([2, 1]))
+    outs["update_default"] = cache.update(k, v, 2)
+    outs["crop"] = cache.crop(3)
+    outs["crop_rows"] = cache.crop(jnp.array([-1, 2]))
+    outs["reorder"] = cache.reorder_cache(jnp.array([1, 0]))
+    outs["select"] = cache.batch_select_indices(jnp.array([1]))
+    outs["repeat"] = cache.batch_repeat_interleave(3)
+    outs["reset"] = cache.reset()
+    outs["reset_rows"] = cache.reset(jnp.array([True, False]))
+    outs["seq_lengths"] = cache.seq_lengths(1)
+    outs["positions"] = cache.positions(3, 0)
+    return outs
+
+
+def test_every_static_op_eager_equals_jit():
+    cache = filled_static()
+    eager = _all_ops(cache)
+    jitted = jax.jit(_all_ops)(cache)
+    chex.assert_trees_all_equal(eager, jitted)
+
+
+def test_every_dynamic_op_eager_equals_jit():
+    def ops(cache):
+        k, v = K3, V3
+        return dict(
+            update=cache.update(k, v, 1),
+            crop=cache.crop(-2),
+            reorder=cache.reorder_cache(jnp.array([1, 0])),
+            select=cache.batch_select_indices(jnp.array([1])),
+            repeat=cache.batch_repeat_interleave(2),
+            reset=cache.reset(),
+        )
+
+    cache = filled_dynamic()
+    chex.assert_trees_all_equal(ops(cache), jax.jit(ops)(cache))
+
+
+def test_vmap_over_stacked_caches_equals_python_loop():
+    caches = [filled_static().crop(jnp.array([n, 4 - n])) for n in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+    k, v = states(2, seed=9)
+
+    def step(cache):
+        cache, keys, _ = cache.update(k, v, 0, num_new=jnp.array([2, 1]))
+        return cache.reorder_cache(jnp.array([1, 0])), keys
+
+    batched = jax.vmap(step)(stacked)
+    for i, cache in enumerate(caches):
+        expected = step(cache)
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], batched), expected)
+
+
+def test_scan_decode_loop_matches_reference():
+    steps = 9
+    ks, vs = states(steps, seed=5)  # token t of the loop is ks[:, :, t]
+
+    def body(cache, kv):
+        k, v = kv  # [B, H, D]
+        for layer in range(L):
+            cache, _, _ = cache.update(k[:, :, None], v[:, :, None] * (layer + 1), layer)
+        return cache, cache.seq_lengths(0)
+
+    cache, lengths = jax.lax.scan(body, empty_static(), (jnp.moveaxis(ks, 2, 0), jnp.moveaxis(vs, 2, 0)))
+    np.testing.assert_array_equal(lengths[:, 0], np.arange(1, steps + 1))
+    ref = ReferenceCache(L, B)
+    for layer in range(L):
+        ref.update(layer, np.asarray(ks), np.asarray(vs) * (layer + 1))
+    assert_matches_reference(cache, ref, heads=H, head_dim=D)
+
+
+def test_scan_over_stacked_layers_equals_unrolled():
+    k, v = states(3, seed=6)
+
+    def unrolled(cache):
+        for layer in range(L):
+            cache, _, _ = cache.update(k * layer, v, layer)
+        return cache
+
+    def scanned(cache):
+        def body(cache, layer):
+            cache, _, _ = cache.update(k * layer.astype(jnp.float32), v, layer)
+            return cache, None
+
+        return jax.lax.scan(body, cache, jnp.arange(L, dtype=jnp.int32))[0]
+
+    base = filled_static()
+    chex.assert_trees_all_equal(jax.jit(unrolled)(base), jax.jit(scanned)(base))
+
+
+def test_donated_step_updates_in_place_and_compiles_once():
+    traces = []
+
+    def step(cache, k, v):
+        traces.append(1)
+        for layer in range(L):
+            cache, _, _ = cache.update(k, v, layer)
+        return cache
+
+    jitted = jax.jit(step, donate_argnums=0)
+    cache = empty_static(max_length=256)
+    k, v = states(1)
+    pointer = cache.keys.unsafe_buffer_pointer()
+    for _ in range(200):
+        old = cache
+        cache = jitted(cache, k, v)
+        assert old.keys.is_deleted()  # donated: the input buffer was reused
+    assert cache.keys.unsafe_buffer_pointer() == pointer  # written in place, no copy
+    assert len(traces) == 1 and jitted._cache_size() == 1
+    np.testing.assert_array_equal(cache.seq_lengths(2), [200, 200])
+    np.testing.assert_array_equal(cache.keys[2, :, :, 199], k[:, :, 0])
+
+
+def test_different_fill_levels_share_one_compilation():
+    traces = []
+
+    @jax.jit
+    def step(cache, k, v):
+        traces.append(1)
+        return cache.update(k, v, 0)[0]
+
+    k, v = states(1)
+    step(empty_static(), k, v)
+    step(filled_static(), k, v)
+    step(filled_static().crop(jnp.array([1, 0])), k, v)
+    assert len(traces) == 1
+    assert jax.tree.structure(empty_static()) == jax.tree.structure(filled_static())
+
+
+def test_donated_update_hlo_has_no_cache_sized_copy():
+    cache = empty_static(max_length=512)
+    k, v = states(1)
+
+    def step(cache, k, v):
+        return cache.update(k, v, 1)[0]
+
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, k, v).compile().as_text()
+    buffer_shape = f"f32[{L},{B},{H},512,{D}]"
+    copies = [line for line in hlo.splitlines() if " copy(" in line and buffer_shape in line]
+    assert not copies, copies
+    assert buffer_shape in hlo
+
+
+# --------------------------------------------------------------------------- overflow
+
+
+def test_eager_overflow_raises_naming_row_and_lengths():
+    cache = empty_static(max_length=4)
+    k, v = states(3)
+    cache, _, _ = cache.update(k, v, 0, num_new=jnp.array([1, 3]))
+    with pytest.raises(ValueError, match=r"layer 0, row 1: it holds 3 tokens and 2 new would make 5 > max_length=4"):
+        cache.update(k[:, :, :2], v[:, :, :2], 0)
+
+
+def test_jit_overflow_drops_writes_keeps_last_slot_and_sets_flag():
+    cache = empty_static(max_length=4)
+    k, v = states(3)
+    cache, _, _ = cache.update(k, v, 0, num_new=jnp.array([1, 3]))
+    k2, v2 = states(2, seed=11)
+    out, keys, _ = jax.jit(lambda c, k, v: c.update(k, v, 0))(cache, k2, v2)
+    np.testing.assert_array_equal(out.seq_lengths(0), [3, 4])
+    np.testing.assert_array_equal(out.overflowed, [False, True])
+    assert int(out.flags[1]) & OVERFLOW
+    # Row 1 had one free slot (3): it takes the first new token, the second is dropped,
+    # never clamped onto slot 3.
+    np.testing.assert_array_equal(keys[1, :, 3], k2[1, :, 0])
+    np.testing.assert_array_equal(keys[1, :, :3], cache.keys[0, 1, :, :3])
+    np.testing.assert_array_equal(keys[0, :, 1:3], k2[0])  # row 0 had room
+    full = out
+    again, keys3, _ = jax.jit(lambda c, k, v: c.update(k, v, 0))(full, k2, v2)
+    np.testing.assert_array_equal(keys3[1], keys[1])  # a full row is left exactly as it was
+    with pytest.raises(CacheError, match=r"rows \[0, 1\] overflowed max_length=4"):
+        again.check()
+    assert again.reset().check() is not None
+
+
+def test_traced_bad_indices_set_invalid_flag():
+    cache = filled_static()
+    out = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.array([1, 5]))
+    np.testing.assert_array_equal(out.lengths[:, 1], [0] * L)
+    assert int(out.flags[1]) & INVALID and int(out.flags[0]) == 0
+    k, v = states(1)
+    bad_layer, _, _ = jax.jit(lambda c, i: c.update(k, v, i))(cache, jnp.int32(L))
+    chex.assert_trees_all_equal(bad_layer.keys, cache.keys)
+    assert (np.asarray(bad_layer.flags) & INVALID).all()
+    neg_layer, _, _ = jax.jit(lambda c, i: c.update(k, v, i))(cache, jnp.int32(-1))
+    chex.assert_trees_all_equal(neg_layer.lengths, cache.lengths)
+    bad_count, _, _ = jax.jit(lambda c, n: c.update(k, v, 0, num_new=n))(cache, jnp.array([1, 3]))
+    np.testing.assert_array_equal(bad_count.seq_lengths(0), [6, 3])
+    with pytest.raises(CacheError, match="out-of-range index or num_new"):
+        bad_count.check()
+
+
+# ------------------------------------------------------------------- dtype and errors
+
+
+def test_bf16_cache_stays_bf16_with_f32_states():
+    cache = empty_static(dtype=jnp.bfloat16)
+    k, v = states(2)
+    with jax.numpy_dtype_promotion("standard"):
+        cache, keys, values = cache.update(k, v, 0)
+    assert cache.keys.dtype == keys.dtype == values.dtype == jnp.bfloat16
+
+
+def test_x64_mode_keeps_int32_indices_and_bf16():
+    script = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+        from jaxkv import StaticCache, DynamicCache
+        c = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=4, max_length=8,
+                             dtype=jnp.bfloat16)
+        k = jnp.ones((2, 1, 3, 4), jnp.float64)
+        c, keys, _ = c.update(k, k, 1, num_new=jnp.array([3, 2]))
+        c = jax.jit(lambda c: c.update(k, k, jnp.int64(1))[0])(c)
+        c = c.crop(jnp.array([4, 3])).reorder_cache(jnp.array([1, 0]))
+        assert c.keys.dtype == jnp.bfloat16 and keys.dtype == jnp.bfloat16, c.keys.dtype
+        assert c.lengths.dtype == jnp.int32 and c.positions(2).dtype == jnp.int32
+        assert c.seq_lengths(1).tolist() == [3, 4], c.lengths
+        d, kk, _ = DynamicCache().update(k.astype(jnp.bfloat16), k, 0)
+        d, kk, _ = d.update(k, k, 0)
+        assert kk.dtype == jnp.bfloat16
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda c, k, v: c.update(k[0], v[0], 0), ValueError, "rank 4"),
+        (lambda c, k, v: c.update(k, v[..., :2], 0), ValueError, "same shape"),
+        (lambda c, k, v: c.update(k[:1], v[:1], 0), ValueError, r"batch=1 but the cache holds batch=2"),
+        (lambda c, k, v: c.update(k[:, :1], v[:, :1], 0), ValueError, "kv_heads=1"),
+        (lambda c, k, v: c.update(k[..., :3], v[..., :3], 0), ValueError, "head_dim=3"),
+        (lambda c, k, v: c.update(k, v, L), ValueError, "layer_idx 3 is out of range"),
+        (lambda c, k, v: c.update(k, v, -1), ValueError, "layer_idx -1 is out of range"),
+        (lambda c, k, v: c.update(k, v, "0"), TypeError, "layer_idx must be an int"),
+        (lambda c, k, v: c.update(k.astype(jnp.int8), v, 0), TypeError, "floating dtype"),
+        (lambda c, k, v: c.update(k, v.astype(jnp.complex64), 0), TypeError, "floating dtype"),
+        (lambda c, k, v: c.update(k, v, 0, num_new=jnp.array([1, 5])), ValueError, r"num_new\[1\]=5 is outside \[0, 2\]"),
+        (lambda c, k, v: c.update(k, v, 0, num_new=jnp.array([1, 1, 1])), TypeError, "num_new must be"),
+        (lambda c, k, v: c.reorder_cache(jnp.array([0, 2])), ValueError, "row index 2"),
+        (lambda c, k, v: c.reorder_cache(jnp.array([0])), ValueError, "one entry per row"),
+        (lambda c, k, v: c.batch_select_indices(jnp.array([[0]])), ValueError, "1-D integer"),
+        (lambda c, k, v: c.batch_repeat_interleave(0), ValueError, "repeats must be >= 1"),
+        (lambda c, k, v: c.batch_repeat_interleave(jnp.ones(2, jnp.int32)), TypeError, "repeats must be a Python int"),
+        (lambda c, k, v: c.crop(1.5), TypeError, "max_length must be an int"),
+        (lambda c, k, v: c.crop(jnp.array([1, 2, 3])), ValueError, "needs 2 entries"),
+        (lambda c, k, v: c.reset(jnp.array([1, 0])), TypeError, "rows must be a bool array"),
+        (lambda c, k, v: c[L], ValueError, "out of range"),
+        (lambda c, k, v: c.seq_lengths(7), ValueError, "out of range"),
+        (lambda c, k, v: StaticCache.init(num_layers=0, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1), ValueError, "num_layers must be an int >= 1"),
+        (lambda c, k, v: StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1, dtype=jnp.int32), TypeError, "dtype must be floating"),
+        (lambda c, k, v: filled_static().to_legacy_cache(), ValueError, "different lengths per row"),
+    ],
+)
+def test_static_bad_input(call, exc, match):
+    cache = empty_static()
+    k, v = states(2)
+    with pytest.raises(exc, match=match):
+        call(cache, k, v)
+
+
+def test_shape_errors_are_raised_at_trace_time_under_jit():
+    cache = empty_static()
+    k, v = states(2)
+    with pytest.raises(ValueError, match="head_dim=3"):
+        jax.jit(lambda c, k, v: c.update(k, v, 0))(cache, k[..., :3], v[..., :3])
+
+
+# ------------------------------------------------------------------------ conversions
+
+
+def test_dynamic_prefill_then_static_decode_then_export():
+    dyn = filled_dynamic()
+    static = dyn.to_static(max_length=S)
+    assert static.seq_lengths(1).tolist() == [5, 5] and static.dtype == jnp.float32
+    k, v = states(1, seed=8)
+    for layer in range(L):
+        static, _, _ = static.update(k, v, layer)
+        dyn, _, _ = dyn.update(k, v, layer)
+    chex.assert_trees_all_equal(static.to_dynamic(), dyn)
+    back = StaticCache.from_legacy_cache(dyn.to_legacy_cache(), max_length=8, dtype=jnp.bfloat16)
+    assert back.dtype == jnp.bfloat16 and back.get_seq_length() == 6
+    with pytest.raises(ValueError, match="overflow"):
+        dyn.to_static(max_length=4)
