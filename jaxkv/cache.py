@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
 
 Array = jax.Array
@@ -384,6 +385,10 @@ class StaticCache:
       values: [L, B, H, S, D] value buffer.
       lengths: int32[L, B] tokens stored per layer and row.
       flags: int32[B] sticky error bits per row (``OVERFLOW``, ``INVALID``); see module doc.
+      sharding: static ``NamedSharding`` of one layer given to ``init`` (or None). Every op
+        constrains its outputs to it, so the layout survives gathers and repeats, eagerly
+        and under jit. A row op whose new batch size the data axis does not divide falls
+        back to replicating rows (other axes keep their sharding).
 
     Example:
       >>> cache = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=4,
@@ -398,6 +403,7 @@ class StaticCache:
     values: Array
     lengths: Array
     flags: Array
+    sharding: jax.sharding.NamedSharding | None = None  # static: one layer's [B, H, S, D] layout
 
     # ---- construction
 
@@ -457,7 +463,7 @@ class StaticCache:
 
         if shardings is None:
             return make()
-        return jax.jit(make, out_shardings=shardings)()
+        return dataclasses.replace(jax.jit(make, out_shardings=shardings)(), sharding=sharding)
 
     @classmethod
     def from_dynamic(
@@ -721,8 +727,8 @@ class StaticCache:
         lengths = self.lengths.at[write_layer].set(new_len, mode="drop")
         flags = self.flags | _flag(old + count > capacity, OVERFLOW)
         flags = flags | _flag(invalid_row | jnp.logical_not(layer_ok), INVALID)
-        new = StaticCache(keys=keys, values=values, lengths=lengths, flags=flags)
-        return new, keys[safe_layer], values[safe_layer]
+        new = StaticCache(keys, values, lengths, flags, self.sharding)._constrained()
+        return new, new.keys[safe_layer], new.values[safe_layer]
 
     def crop(self, max_length: Any) -> StaticCache:
         """Keeps at most ``max_length`` tokens per row, in every layer; moves no data.
@@ -748,7 +754,9 @@ class StaticCache:
             )
         m = jnp.broadcast_to(m.astype(jnp.int32), (self.batch_size,))
         target = jnp.where(m < 0, jnp.maximum(self.lengths[0] + m, 0), m)  # [B]
-        return dataclasses.replace(self, lengths=jnp.minimum(self.lengths, target[None, :]))
+        return dataclasses.replace(
+            self, lengths=jnp.minimum(self.lengths, target[None, :])
+        )._constrained()
 
     def _gather_rows(self, idx: Array) -> StaticCache:
         batch = self.batch_size
@@ -759,7 +767,8 @@ class StaticCache:
             values=jnp.take(self.values, safe, axis=1),
             lengths=jnp.where(ok[None, :], jnp.take(self.lengths, safe, axis=1), 0),
             flags=jnp.where(ok, jnp.take(self.flags, safe, axis=0), jnp.int32(INVALID)),
-        )
+            sharding=self.sharding,
+        )._constrained()
 
     def reorder_cache(self, beam_idx: Any) -> StaticCache:
         """Gathers rows by ``beam_idx`` (int[B]) for beam search; same batch size."""
@@ -786,7 +795,8 @@ class StaticCache:
             values=jnp.repeat(self.values, r, axis=1, total_repeat_length=n),
             lengths=jnp.repeat(self.lengths, r, axis=1, total_repeat_length=n),
             flags=jnp.repeat(self.flags, r, axis=0, total_repeat_length=n),
-        )
+            sharding=self.sharding,
+        )._constrained()
 
     def reset(self, rows: Any = None) -> StaticCache:
         """Empties the cache (or only the rows where ``rows`` (bool[B]) is true).
@@ -797,7 +807,7 @@ class StaticCache:
         if rows is None:
             return dataclasses.replace(
                 self, lengths=jnp.zeros_like(self.lengths), flags=jnp.zeros_like(self.flags)
-            )
+            )._constrained()
         rows = jnp.asarray(rows)
         if rows.shape != (self.batch_size,) or rows.dtype != jnp.bool_:
             raise TypeError(
@@ -808,9 +818,28 @@ class StaticCache:
             self,
             lengths=jnp.where(rows[None, :], 0, self.lengths),
             flags=jnp.where(rows, 0, self.flags),
-        )
+        )._constrained()
 
     # ---- internals
+
+    def _constrained(self) -> StaticCache:
+        if self.sharding is None:
+            return self
+        spec = tuple(self.sharding.spec) + (None,) * (4 - len(self.sharding.spec))
+        batch_axis = spec[0]
+        if batch_axis is not None:
+            axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
+            if self.batch_size % int(np.prod([self.sharding.mesh.shape[a] for a in axes])):
+                spec = (None,) + spec[1:]
+        targets = _cache_shardings(jax.sharding.NamedSharding(self.sharding.mesh, P(*spec)))
+        wsc = jax.lax.with_sharding_constraint
+        return StaticCache(
+            wsc(self.keys, targets.keys),
+            wsc(self.values, targets.values),
+            wsc(self.lengths, targets.lengths),
+            wsc(self.flags, targets.flags),
+            self.sharding,
+        )
 
     def _layer(self, layer_idx: Any, who: str, *, allow_traced: bool = True) -> Any:
         i = _static_int(layer_idx)
@@ -849,7 +878,6 @@ def _cache_shardings(sharding: Any) -> StaticCache | None:
             f"at most 4 entries, got {sharding.spec}."
         )
     spec = spec + (None,) * (4 - len(spec))
-    P = jax.sharding.PartitionSpec
     mesh = sharding.mesh
     buf = jax.sharding.NamedSharding(mesh, P(None, *spec))
     return StaticCache(
@@ -864,5 +892,5 @@ register_dataclass(
     DynamicCache, data_fields=["layers"], meta_fields=[]
 )
 register_dataclass(
-    StaticCache, data_fields=["keys", "values", "lengths", "flags"], meta_fields=[]
+    StaticCache, data_fields=["keys", "values", "lengths", "flags"], meta_fields=["sharding"]
 )
