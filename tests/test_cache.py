@@ -534,3 +534,27 @@ def test_dynamic_prefill_then_static_decode_then_export():
     assert back.dtype == jnp.bfloat16 and back.get_seq_length() == 6
     with pytest.raises(ValueError, match="overflow"):
         dyn.to_static(max_length=4)
+
+
+def test_scan_over_layers_decode_step_has_no_cache_sized_copy():
+    """Trap: scanning a stacked cache must not copy the whole cache per layer or step."""
+    layers, capacity = 4, 512
+    cache = StaticCache.init(num_layers=layers, batch_size=1, num_kv_heads=H, head_dim=D, max_length=capacity)
+    weights = jnp.ones((layers, D, D))
+
+    def decode_step(cache, x):  # x: [1, D]
+        def layer_fn(carry, w):
+            x, cache, i = carry
+            k = jnp.broadcast_to((x @ w)[:, None, None, :], (1, H, 1, D))
+            cache, keys, values = cache.update(k, k, i)
+            scores = jnp.einsum("bhd,bhsd->bhs", k[:, :, 0], keys)
+            x = x + jnp.einsum("bhs,bhsd->bd", jax.nn.softmax(scores, axis=-1), values)
+            return (x, cache, i + 1), None
+
+        (x, cache, _), _ = jax.lax.scan(layer_fn, (x, cache, jnp.int32(0)), weights)
+        return x, cache
+
+    hlo = jax.jit(decode_step, donate_argnums=0).lower(cache, jnp.ones((1, D))).compile().as_text()
+    buffer_shape = f"f32[{layers},1,{H},{capacity},{D}]"
+    copies = [line for line in hlo.splitlines() if " copy(" in line and buffer_shape in line]
+    assert not copies, copies
