@@ -1,0 +1,130 @@
+"""Blockwise attention over a cache buffer: cost scales with tokens stored, not capacity.
+
+Plain masked attention over a ``StaticCache`` layer reads all ``S`` slots every step, so a
+decode step at 1K tokens in a 64K cache costs as much as one at 64K. Here the slots are
+visited in blocks of ``block_size`` inside a ``lax.fori_loop`` whose trip count comes from
+the data: it stops after the last block that any row has filled (and, with a sliding
+window, starts at the first block any query can still see). Softmax is accumulated online
+(running max, running sum, running weighted values), so the result equals one softmax
+over all visible slots.
+
+Shapes: B batch, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim.
+Slot ``s`` holds absolute position ``s`` (the ``StaticCache`` layout). Visibility is the
+rule of :func:`jaxkv.attention.attend`: filled (``s < kv_lengths[b]``), not in the future
+(``s <= p``), and inside the window (``p - s < W``). Unfilled slots may hold NaN: they are
+zeroed before use.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["blockwise_attend"]
+
+
+def blockwise_attend(
+    queries: jax.Array,  # [B, Hq, T, D]
+    keys: jax.Array,  # [B, H, S, D]
+    values: jax.Array,  # [B, H, S, D]
+    *,
+    q_positions: jax.Array,  # [B, T] int
+    kv_lengths: jax.Array,  # [B] int
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    block_size: int = 512,
+) -> jax.Array:  # [B, Hq, T, D]
+    """Grouped-query attention that reads only the blocks holding visible tokens.
+
+    Args:
+      queries: [B, Hq, T, D] position-encoded queries.
+      keys: [B, H, S, D] a layer's key buffer (slot s = position s).
+      values: [B, H, S, D] the value buffer.
+      q_positions: [B, T] absolute query positions.
+      kv_lengths: [B] filled slots per row.
+      sliding_window: optional window W: a query at p sees positions > p - W.
+      logit_softcap: optional c: logits become ``c * tanh(logits / c)``.
+      scale: logit scale, ``1 / sqrt(D)`` if None.
+      block_size: slots per loop iteration (clipped to S).
+
+    Returns:
+      [B, Hq, T, D] in the dtype of ``queries``; a query that sees nothing gets zeros.
+
+    Raises:
+      ValueError: mismatched shapes, Hq not a multiple of H, bad window or block size.
+    """
+    if queries.ndim != 4 or keys.ndim != 4 or keys.shape != values.shape:
+        raise ValueError(
+            "blockwise_attend: expected queries [B, Hq, T, D] and keys == values [B, H, S, D], got "
+            f"{queries.shape}, {keys.shape}, {values.shape}."
+        )
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    _, num_kv_heads, num_slots, _ = keys.shape
+    if keys.shape[0] != batch or keys.shape[3] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"blockwise_attend: queries {queries.shape} do not fit keys {keys.shape} (same batch and "
+            "head_dim; query heads a multiple of kv heads)."
+        )
+    if q_positions.shape != (batch, num_tokens) or kv_lengths.shape != (batch,):
+        raise ValueError(
+            f"blockwise_attend: q_positions must be [{batch}, {num_tokens}] and kv_lengths [{batch}], "
+            f"got {q_positions.shape} and {kv_lengths.shape}."
+        )
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"blockwise_attend: sliding_window must be a positive int, got {sliding_window!r}.")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"blockwise_attend: block_size must be a positive int, got {block_size!r}.")
+
+    groups = num_q_heads // num_kv_heads
+    block = min(block_size, num_slots)
+    scale = head_dim**-0.5 if scale is None else scale
+    q_pos = q_positions.astype(jnp.int32)
+    kv_len = kv_lengths.astype(jnp.int32)
+    q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
+
+    # Trip count from the data: blocks past every row's fill (and past every query) are
+    # never read; with a window, blocks before every query's window are skipped too.
+    end = jnp.minimum(jnp.max(kv_len), jnp.max(q_pos) + 1)
+    stop = (end + block - 1) // block
+    start = jnp.int32(0)
+    if sliding_window is not None:
+        start = jnp.maximum(jnp.min(q_pos) - sliding_window + 1, 0) // block
+
+    def body(j, carry):
+        running_max, running_sum, acc = carry
+        first = j * block
+        # The last block may run past S: slice the final `block` slots instead (a clamped
+        # read is harmless here) and mask out the slots an earlier block already covered.
+        offset = jnp.minimum(first, num_slots - block)
+        k_blk = jax.lax.dynamic_slice_in_dim(keys, offset, block, axis=2)
+        v_blk = jax.lax.dynamic_slice_in_dim(values, offset, block, axis=2)
+        slots = offset + jnp.arange(block, dtype=jnp.int32)  # [blk]
+        filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
+        visible = filled[:, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, blk]
+        if sliding_window is not None:
+            visible = visible & (q_pos[:, :, None] - slots[None, None, :] < sliding_window)
+        logits = jnp.einsum("bhgtd,bhsd->bhgts", q, k_blk, preferred_element_type=jnp.float32) * scale
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        visible = visible[:, None, None, :, :]
+        logits = jnp.where(visible, logits, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.where(visible, jnp.exp(logits - safe_max[..., None]), 0.0)
+        correction = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - safe_max), 0.0)
+        v_blk = jnp.where(filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
+        acc = acc * correction[..., None] + jnp.einsum(
+            "bhgts,bhsd->bhgtd", weights.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+        )
+        return new_max, running_sum * correction + jnp.sum(weights, axis=-1), acc
+
+    stats_shape = (batch, num_kv_heads, groups, num_tokens)
+    init = (
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros(stats_shape + (head_dim,), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(start, stop, body, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
