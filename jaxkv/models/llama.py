@@ -1,0 +1,420 @@
+"""Reference Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a jaxkv cache.
+
+Read top to bottom: Config -> RMSNorm -> RoPE -> attention -> MLP -> block -> model.
+The variants differ only in configuration:
+
+* Llama: optional llama3 RoPE frequency scaling, optional attention / MLP biases.
+* Mistral: sliding-window attention on every layer (when ``sliding_window`` is set).
+* Qwen2: biases on the q/k/v projections; optional sliding window on upper layers.
+* Qwen3: RMSNorm over each query and key head, an explicit ``head_dim``.
+
+The model is an ``nnx.Module`` whose cache is an explicit argument and return value::
+
+    model = Llama(config, rngs=nnx.Rngs(0))
+    cache = model.init_cache(batch_size=2, max_length=64)
+    logits, cache = model(tokens, cache)                # prefill, tokens: int32 [B, T]
+    logits, cache = model(next_tokens[:, None], cache)  # decode: the same code
+
+Numerics follow HF transformers: norms and RoPE angles in float32, matmuls in the
+parameter dtype, attention softmax in float32.
+
+Shape letters: B batch, T new tokens, E hidden size, V vocabulary, F MLP width,
+Hq query heads, H kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.cache import DynamicCache, StaticCache
+from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
+
+__all__ = ["ARCHITECTURES", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "rope_frequencies"]
+
+#: HF ``architectures`` entries this file implements.
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# --------------------------------------------------------------------------- config
+
+_LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family decoder (hashable: it is static jit metadata).
+
+    Attributes:
+        vocab_size: V.
+        hidden_size: E.
+        intermediate_size: F, width of the SwiGLU MLP.
+        num_layers: decoder blocks.
+        num_heads: Hq.
+        num_kv_heads: H; Hq must be a multiple.
+        head_dim: D (Qwen3 sets it explicitly; otherwise E // Hq).
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: None, or sorted ``(key, value)`` pairs of HF ``rope_parameters``
+            for ``rope_type`` "linear" or "llama3".
+        tie_word_embeddings: the output projection reuses the embedding matrix.
+        qkv_bias: bias on q/k/v projections (Qwen2; Llama ``attention_bias``).
+        out_bias: bias on the attention output projection (Llama ``attention_bias``).
+        mlp_bias: bias on the MLP projections (Llama ``mlp_bias``).
+        qk_norm: RMSNorm on each query/key head (Qwen3).
+        sliding_window: window size for layers marked sliding, None if there are none.
+        sliding_layers: per layer, whether it uses the sliding window.
+        architecture: the HF architecture name this config came from.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.sliding_layers:
+            object.__setattr__(self, "sliding_layers", (False,) * self.num_layers)
+        if len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"sliding_layers has {len(self.sliding_layers)} entries, expected one per layer ({self.num_layers})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> LlamaConfig:
+        """Builds a config from an HF ``config.json`` dictionary.
+
+        Accepts both the transformers 4 layout (``rope_theta`` and ``rope_scaling`` at the
+        top level) and the transformers 5 layout (``rope_parameters``).
+
+        Args:
+            hf: the parsed ``config.json``.
+            source: the file name used in error messages.
+
+        Raises:
+            ValueError: an unsupported architecture, activation or RoPE type, or a
+                missing required key (the message names ``source`` and the key).
+        """
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"jaxkv.models supports {', '.join(ARCHITECTURES)}"
+            )
+
+        def need(key):
+            if key not in hf or hf[key] is None:
+                raise ValueError(f"{source}: missing required key {key!r} for {arch}")
+            return hf[key]
+
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported, expected 'silu'")
+        num_heads = need("num_attention_heads")
+        num_layers = need("num_hidden_layers")
+        rope = dict(hf.get("rope_parameters") or {})
+        if hf.get("rope_scaling"):
+            rope.update(hf["rope_scaling"])
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"{source}: rope_type {rope_type!r} is not supported; jaxkv implements "
+                "'default', 'linear' and 'llama3'"
+            )
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor != 1.0 is not supported")
+        scaling = None
+        if rope_type != "default":
+            required = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
+            missing = [k for k in required if k not in rope]
+            if missing:
+                raise ValueError(f"{source}: rope_type {rope_type!r} needs rope parameter(s) {missing}")
+            scaling = tuple(sorted((k, rope[k]) for k in required)) + (("rope_type", rope_type),)
+
+        sliding_window = hf.get("sliding_window")
+        if "layer_types" in hf and hf["layer_types"]:
+            sliding = tuple(t == "sliding_attention" for t in hf["layer_types"])
+        elif arch == "MistralForCausalLM":
+            sliding = (sliding_window is not None,) * num_layers
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+            first = hf.get("max_window_layers", num_layers)
+            sliding = tuple(i >= first for i in range(num_layers))
+        else:
+            sliding = (False,) * num_layers
+        if not any(sliding):
+            sliding_window = None
+        elif sliding_window is None:
+            raise ValueError(f"{source}: layers are marked sliding but sliding_window is not set")
+
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or need("hidden_size") // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            out_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            sliding_layers=sliding,
+            architecture=arch,
+        )
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> LlamaConfig:
+        """A two-layer GQA preset for tests and examples (V=128, E=64, Hq=4, H=2, D=16)."""
+        base = dict(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16,
+        )
+        return cls(**(base | overrides))
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, normalised in float32.
+
+    As in HF, the normalised activations are cast back to the input dtype before the
+    weight multiplies them.
+    """
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: Any = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple[tuple[str, Any], ...] | None) -> np.ndarray:
+    """Inverse frequencies [D/2] of rotary embeddings, with optional linear/llama3 scaling.
+
+    llama3 scaling (Llama 3.1) keeps high frequencies (wavelength shorter than
+    ``original_max_position_embeddings / high_freq_factor``), divides low frequencies
+    (wavelength longer than ``... / low_freq_factor``) by ``factor``, and blends smoothly
+    in between.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    params = dict(scaling or ())
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        return (inv_freq / params["factor"]).astype(np.float32)
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(
+    x: jax.Array,  # [B, heads, T, D]
+    positions: jax.Array,  # [B, T] int
+    inv_freq: jax.Array,  # [D/2]
+) -> jax.Array:  # [B, heads, T, D]
+    """Rotates the two halves of each head by angle ``position * inv_freq`` (HF layout)."""
+    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, param_dtype: Any, rngs: nnx.Rngs):
+        def linear(n_in, n_out):
+            return nnx.Linear(n_in, n_out, use_bias=config.mlp_bias, param_dtype=param_dtype, rngs=rngs)
+
+        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, E]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, *, param_dtype: Any, rngs: nnx.Rngs):
+        def norm(dim):
+            return RMSNorm(dim, eps=config.rms_norm_eps, param_dtype=param_dtype)
+
+        self.input_layernorm = norm(config.hidden_size)
+        self.self_attn = KVAttention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            layer_idx=layer_idx,
+            qkv_bias=config.qkv_bias,
+            out_bias=config.out_bias,
+            q_norm=norm(config.head_dim) if config.qk_norm else None,
+            k_norm=norm(config.head_dim) if config.qk_norm else None,
+            sliding_window=config.sliding_window if config.sliding_layers[layer_idx] else None,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.post_attention_layernorm = norm(config.hidden_size)
+        self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cache, *, positions, num_new, rope):
+        with jax.named_scope("attention"):
+            h, cache = self.self_attn(
+                self.input_layernorm(x), cache, positions=positions, num_new=num_new, rope=rope
+            )
+        x = x + h
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Llama(nnx.Module):
+    """Llama-family causal LM over a jaxkv cache.
+
+    Parameter names mirror the HF checkpoint (``embed_tokens``, ``layers[i].self_attn.q_proj``
+    ...), with ``nnx.Linear`` kernels stored [in, out] (HF stores [out, in]).
+
+    Args:
+        config: the :class:`LlamaConfig`.
+        param_dtype: dtype of every parameter (and hence of the computation).
+        rngs: initialisation randomness.
+    """
+
+    def __init__(self, config: LlamaConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [Block(config, i, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        )
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return self.config.cache_spec
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.embed_tokens.embedding[...].dtype
+
+    def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> StaticCache:
+        """An empty StaticCache for this model; keys/values in the parameter dtype by default."""
+        return init_cache(self.cache_spec, batch_size, max_length, dtype=dtype or self.dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int
+        cache: StaticCache | DynamicCache | None = None,
+        num_new: jax.Array | None = None,  # [B] int
+    ) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
+        """Runs T new tokens per row through the decoder, writing them into the cache.
+
+        Prefill (T = prompt length) and decode (T = 1) are the same call. Row ``b``'s new
+        tokens take positions ``cache.seq_lengths(0)[b] + t``.
+
+        Args:
+            tokens: [B, T] token ids.
+            cache: StaticCache, DynamicCache, or None for a full forward over ``tokens`` alone.
+            num_new: [B] real tokens per row (ragged prompts without left padding: row b
+                holds ``num_new[b]`` tokens followed by padding). Default: all T.
+
+        Returns:
+            ``(logits [B, T, V], new_cache)``. Logits at padding tokens are meaningless.
+
+        Raises:
+            ValueError: tokens not [B, T]; a cache shaped for another model.
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, new_tokens], got {list(tokens.shape)}; add a batch axis")
+        if isinstance(cache, StaticCache):
+            got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+            want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+            if got != want or cache.batch_size != tokens.shape[0]:
+                raise ValueError(
+                    f"cache has (layers, kv_heads, head_dim, batch) = {got + (cache.batch_size,)}, the model "
+                    f"needs {want + (tokens.shape[0],)}; create it with model.init_cache(batch_size, max_length)"
+                )
+        batch, num_tokens = tokens.shape
+        positions = token_positions(cache, batch, num_tokens)
+
+        # A NumPy constant: derived from the config, so it is no parameter and never loaded.
+        inv_freq = jnp.asarray(rope_frequencies(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling))
+
+        def rope(x):
+            return apply_rope(x, positions, inv_freq)
+
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, cache = layer(x, cache, positions=positions, num_new=num_new, rope=rope)
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits, cache

@@ -1,0 +1,239 @@
+"""Loading HF-format checkpoints from a local directory.
+
+A directory holds ``config.json``, the weights as ``model.safetensors`` or as shards listed
+in ``model.safetensors.index.json``, and optionally ``tokenizer.json``. Nothing is
+downloaded. Every failure names the file (and the tensor key where there is one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.models.llama import Llama, LlamaConfig
+
+__all__ = ["CheckpointError", "Pretrained", "from_pretrained", "hf_weight_names"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# Tensors some checkpoints carry that the model recomputes instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file and key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """What :func:`from_pretrained` returns.
+
+    Attributes:
+        model: the :class:`~jaxkv.models.llama.Llama` module with loaded weights.
+        config: its :class:`~jaxkv.models.llama.LlamaConfig`.
+        tokenizer: a ``tokenizers.Tokenizer`` if the directory has ``tokenizer.json``, else None.
+        path: the directory it was loaded from.
+    """
+
+    model: Llama
+    config: LlamaConfig
+    tokenizer: Any
+    path: str
+
+
+def hf_weight_names(config: LlamaConfig) -> Iterator[tuple[str, tuple[Any, ...], bool]]:
+    """The checkpoint tensors a config needs.
+
+    Yields:
+        ``(hf_key, model_path, transpose)``: the safetensors key, the path of the matching
+        parameter in ``nnx.state(model)``, and whether the HF ``[out, in]`` matrix must be
+        transposed into an ``nnx.Linear`` kernel ``[in, out]``.
+    """
+    yield "model.embed_tokens.weight", ("embed_tokens", "embedding"), False
+    yield "model.norm.weight", ("norm", "weight"), False
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head", "kernel"), True
+
+    def linear(hf_prefix, path, bias):
+        yield f"{hf_prefix}.weight", path + ("kernel",), True
+        if bias:
+            yield f"{hf_prefix}.bias", path + ("bias",), False
+
+    for i in range(config.num_layers):
+        hf, me = f"model.layers.{i}", ("layers", i)
+        yield f"{hf}.input_layernorm.weight", me + ("input_layernorm", "weight"), False
+        yield f"{hf}.post_attention_layernorm.weight", me + ("post_attention_layernorm", "weight"), False
+        for name in ("q_proj", "k_proj", "v_proj"):
+            yield from linear(f"{hf}.self_attn.{name}", me + ("self_attn", name), config.qkv_bias)
+        yield from linear(f"{hf}.self_attn.o_proj", me + ("self_attn", "o_proj"), config.out_bias)
+        if config.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                yield f"{hf}.self_attn.{name}.weight", me + ("self_attn", name, "weight"), False
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            yield from linear(f"{hf}.mlp.{name}", me + ("mlp", name), config.mlp_bias)
+
+
+def _read_json(path: str, what: str) -> Any:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: file not found; an HF checkpoint directory needs {what}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt JSON ({e})") from e
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """Maps each tensor key to the safetensors file that holds it."""
+    single = os.path.join(directory, WEIGHTS_FILE)
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        weight_map = _read_json(index, "a weight index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor keys to shard files")
+        return {key: os.path.join(directory, shard) for key, shard in weight_map.items()}
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with _open_safetensors(single, safe_open) as f:
+            return {key: single for key in f.keys()}
+    raise CheckpointError(
+        f"{directory}: no weights found; expected {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors are supported)"
+    )
+
+
+def _open_safetensors(path: str, safe_open):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: file not found (listed in {INDEX_FILE})")
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
+        raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+
+
+def _load_tensors(
+    config: LlamaConfig, directory: str, dtype: jnp.dtype, model_shapes: dict[tuple[Any, ...], tuple[int, ...]]
+) -> dict[tuple[Any, ...], jax.Array]:
+    """Reads, checks and converts every tensor the model needs, one shard open at a time."""
+    from safetensors import safe_open
+
+    files = _weight_files(directory)
+    needed = {key: (path, transpose) for key, path, transpose in hf_weight_names(config)}
+    missing = [key for key in needed if key not in files]
+    if missing:
+        where = INDEX_FILE if os.path.isfile(os.path.join(directory, INDEX_FILE)) else WEIGHTS_FILE
+        raise CheckpointError(
+            f"{os.path.join(directory, where)}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f" needed by {config.architecture}"
+        )
+    unexpected = [
+        key
+        for key in files
+        if key not in needed
+        and not key.endswith(_IGNORED_SUFFIXES)
+        and not (key == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+    if unexpected:
+        raise CheckpointError(
+            f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            + f"; the config describes a {config.architecture} that has no such weight"
+        )
+
+    by_file: dict[str, list[str]] = {}
+    for key in needed:
+        by_file.setdefault(files[key], []).append(key)
+    loaded = {}
+    for file, keys in by_file.items():
+        with _open_safetensors(file, safe_open) as f:
+            for key in keys:
+                path, transpose = needed[key]
+                expected = model_shapes[path]
+                hf_shape = tuple(expected[::-1]) if transpose else tuple(expected)
+                try:
+                    got = tuple(f.get_slice(key).get_shape())
+                except Exception as e:
+                    raise CheckpointError(f"{file}: tensor {key!r} is listed but cannot be read ({e})") from e
+                if got != hf_shape:
+                    raise CheckpointError(
+                        f"{file}: tensor {key!r} has shape {list(got)}, expected {list(hf_shape)} "
+                        f"from {CONFIG_FILE}; the weights and the config do not belong together"
+                    )
+                try:
+                    array = f.get_tensor(key)
+                except Exception as e:
+                    raise CheckpointError(f"{file}: tensor {key!r} is corrupt ({e})") from e
+                if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
+                    raise CheckpointError(f"{file}: tensor {key!r} has dtype {array.dtype}, expected a float")
+                array = array.astype(dtype)
+                loaded[path] = jnp.asarray(array.T if transpose else array)
+    return loaded
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pretrained:
+    """Loads an HF-format Llama / Mistral / Qwen2 / Qwen3 checkpoint from a local directory.
+
+    Args:
+        path: directory with ``config.json``, ``model.safetensors`` (or a sharded
+            ``model.safetensors.index.json``) and optionally ``tokenizer.json``.
+        dtype: parameter dtype, ``jnp.float32`` or ``jnp.bfloat16``; weights are converted.
+
+    Returns:
+        A :class:`Pretrained` with ``.model``, ``.config`` and ``.tokenizer``.
+
+    Raises:
+        CheckpointError (a ValueError): a missing directory or file, corrupt JSON or
+            safetensors, an unsupported architecture, a missing, unexpected or mis-shaped
+            tensor. The message names the file and, where there is one, the tensor key.
+        TypeError: ``dtype`` is not float32 / bfloat16 / float16.
+
+    Example:
+        >>> loaded = from_pretrained("/path/to/Qwen3-0.6B", dtype=jnp.bfloat16)  # doctest: +SKIP
+        >>> ids = loaded.tokenizer.encode("Hello").ids                          # doctest: +SKIP
+        >>> jaxkv.generate(loaded.model, jnp.array([ids]), 16)                   # doctest: +SKIP
+    """
+    directory = os.fspath(path)
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"dtype must be jnp.float32, jnp.bfloat16 or jnp.float16, got {dtype}")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: not a directory; from_pretrained reads a local HF checkpoint directory")
+    config_path = os.path.join(directory, CONFIG_FILE)
+    hf_config = _read_json(config_path, "a model config")
+    try:
+        config = LlamaConfig.from_hf(hf_config, source=config_path)
+    except (TypeError, KeyError) as e:
+        raise CheckpointError(f"{config_path}: malformed config ({e})") from e
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+    # An abstract model (shapes only, nothing allocated or initialised) gives the parameter
+    # tree; the checkpoint's tensors then fill it.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, param_dtype=dtype, rngs=nnx.Rngs(0))))
+    flat_state = nnx.to_flat_state(state)
+    tensors = _load_tensors(config, directory, dtype, {p: var.get_value().shape for p, var in flat_state})
+    flat = [(p, var.replace(tensors[p])) for p, var in flat_state]
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    tokenizer = None
+    tokenizer_path = os.path.join(directory, TOKENIZER_FILE)
+    if os.path.isfile(tokenizer_path):
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(tokenizer_path)
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"{tokenizer_path}: corrupt tokenizer file ({e})") from e
+    return Pretrained(model=model, config=config, tokenizer=tokenizer, path=directory)
