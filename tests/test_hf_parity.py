@@ -1,0 +1,252 @@
+"""jaxkv.models against HF transformers on tiny random checkpoints, and loading errors.
+
+Each family gets a random tiny config saved with ``save_pretrained``. Norm weights and
+biases are moved off their initial constants (ones / zeros) so a weight loaded into the
+wrong place, or a missing bias, makes the test fail.
+"""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from jaxkv.generate import generate  # noqa: E402
+from jaxkv.models import CheckpointError, from_pretrained  # noqa: E402
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+    # Wider than the 0.02 default: peaked logits, so greedy argmax has clear margins.
+    initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+FAMILIES = {
+    # llama3 RoPE scaling with a short original context, so all three bands are used;
+    # attention_bias puts biases on q/k/v/o.
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16),
+        rope_theta=500000.0, attention_bias=True,
+    )),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24)),
+    # A window shorter than the sequences, so sliding-window masking is exercised.
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8)),
+}
+
+
+@nnx.jit
+def forward(model, tokens, cache):
+    return model(tokens, cache)
+
+
+def _build(family, directory, **extra):
+    model_cls, config_cls, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**(COMMON | kwargs | extra))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    hf = _build(request.param, directory)
+    return request.param, hf, from_pretrained(directory), directory
+
+
+def _prompts(batch, length, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, length))
+
+
+def test_logits_match_transformers(family):
+    name, hf, loaded, _ = family
+    ids = _prompts(3, 20)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    # Through the cache: prefill 12 tokens, then 8 decode steps.
+    cache = loaded.model.init_cache(batch_size=3, max_length=20)
+    chunks = []
+    for start, stop in [(0, 12)] + [(t, t + 1) for t in range(12, 20)]:
+        logits, cache = forward(loaded.model, jnp.asarray(ids[:, start:stop], jnp.int32), cache)
+        chunks.append(np.asarray(logits))
+    got = np.concatenate(chunks, axis=1)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"\n{name}: max |jaxkv - HF| / max |HF| = {rel:.2e}")
+    assert rel <= 1e-4
+
+
+def test_greedy_tokens_match_transformers_generate(family):
+    _, hf, loaded, _ = family
+    ids = _prompts(3, 9, seed=1)  # the ragged test's shape: one compilation serves both
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), max_new_tokens=32, do_sample=False).numpy()[:, 9:]
+    got = np.asarray(generate(loaded.model, ids, 32))
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_ragged_batch_matches_each_prompt_alone_in_transformers(family):
+    _, hf, loaded, _ = family
+    lengths = np.array([9, 3, 6])
+    ids = _prompts(3, 9, seed=2)
+    for b, n in enumerate(lengths):
+        ids[b, n:] = VOCAB - 1  # padding after the prompt: must be ignored
+    got = np.asarray(generate(loaded.model, ids, 32, prompt_lengths=lengths))
+    for b, n in enumerate(lengths):
+        with torch.no_grad():
+            alone = hf.generate(torch.tensor(ids[b : b + 1, :n]), max_new_tokens=32, do_sample=False).numpy()
+        np.testing.assert_array_equal(got[b], alone[0, n:])
+
+
+def test_bfloat16_load(family):
+    _, hf, _, directory = family
+    loaded = from_pretrained(directory, dtype=jnp.bfloat16)
+    ids = _prompts(2, 10, seed=3)
+    logits, cache = forward(loaded.model, jnp.asarray(ids, jnp.int32), loaded.model.init_cache(2, 10))
+    assert logits.dtype == jnp.bfloat16 and cache.keys.dtype == jnp.bfloat16
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(logits, np.float32) - ref).max() / np.abs(ref).max() < 5e-2
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small llama checkpoint directory (with a tokenizer) that tests copy and damage."""
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    hf = _build("qwen2", directory, tie_word_embeddings=False)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"[UNK]": VOCAB - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    return directory, hf
+
+
+@pytest.fixture
+def damaged(checkpoint, tmp_path):
+    directory = str(tmp_path / "damaged")
+    shutil.copytree(checkpoint[0], directory)
+    return directory
+
+
+def test_sharded_checkpoint_and_tokenizer(checkpoint, tmp_path):
+    directory, hf = checkpoint
+    sharded = str(tmp_path / "sharded")
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    ids = jnp.asarray(_prompts(1, 6), jnp.int32)
+    whole, shards = from_pretrained(directory), from_pretrained(sharded)
+    np.testing.assert_array_equal(
+        np.asarray(forward(whole.model, ids, None)[0]), np.asarray(forward(shards.model, ids, None)[0])
+    )
+    assert shards.tokenizer is None
+    assert whole.tokenizer.encode("w5 w7 nope").ids == [5, 7, VOCAB - 1]
+    assert whole.config.architecture == "Qwen2ForCausalLM" and whole.path == directory
+
+
+def _edit_config(directory, **changes):
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(config | changes, f)
+
+
+def _edit_weights(directory, fn):
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_directory_and_files(damaged, tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        from_pretrained(tmp_path / "nowhere")
+    os.remove(os.path.join(damaged, "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no weights found; expected model.safetensors"):
+        from_pretrained(damaged)
+    os.remove(os.path.join(damaged, "config.json"))
+    with pytest.raises(CheckpointError, match=r"config\.json: file not found"):
+        from_pretrained(damaged)
+
+
+def test_unsupported_architecture(damaged):
+    _edit_config(damaged, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match=r"config\.json: unsupported architecture \['GPT2LMHeadModel'\]"):
+        from_pretrained(damaged)
+
+
+def test_corrupt_config_and_tokenizer(damaged):
+    with open(os.path.join(damaged, "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": ')
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: corrupt tokenizer file"):
+        from_pretrained(damaged)
+    with open(os.path.join(damaged, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: corrupt JSON"):
+        from_pretrained(damaged)
+
+
+def test_missing_tensor(damaged):
+    _edit_weights(damaged, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: missing tensor 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
+        from_pretrained(damaged)
+
+
+def test_misshaped_tensor(damaged):
+    def shrink(tensors):
+        tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:10]
+
+    _edit_weights(damaged, shrink)
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \[10, 64\], expected \[96, 64\]"
+    ):
+        from_pretrained(damaged)
+
+
+def test_unexpected_tensor(damaged):
+    _edit_weights(damaged, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra\.weight'"):
+        from_pretrained(damaged)
+
+
+def test_corrupt_safetensors(damaged):
+    path = os.path.join(damaged, "model.safetensors")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or unreadable safetensors file"):
+        from_pretrained(damaged)
+
+
+def test_index_naming_a_missing_shard(checkpoint, tmp_path):
+    sharded = str(tmp_path / "sharded")
+    checkpoint[1].save_pretrained(sharded, max_shard_size="40KB")
+    shard = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(sharded, shard))
+    with pytest.raises(CheckpointError, match=f"{shard}: file not found"):
+        from_pretrained(sharded)
+
+
+def test_bad_dtype(checkpoint):
+    with pytest.raises(TypeError, match="dtype must be jnp.float32, jnp.bfloat16"):
+        from_pretrained(checkpoint[0], dtype=jnp.int8)
