@@ -25,11 +25,12 @@ __all__ = ["blockwise_attend"]
 
 def blockwise_attend(
     queries: jax.Array,  # [B, Hq, T, D]
-    keys: jax.Array,  # [B, H, S, D]
-    values: jax.Array,  # [B, H, S, D]
+    keys: jax.Array,  # [B, H, S, D] or stacked [L, B, H, S, D] with layer_idx
+    values: jax.Array,  # same shape as keys
     *,
     q_positions: jax.Array,  # [B, T] int
     kv_lengths: jax.Array,  # [B] int
+    layer_idx: int | jax.Array | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
@@ -39,10 +40,14 @@ def blockwise_attend(
 
     Args:
       queries: [B, Hq, T, D] position-encoded queries.
-      keys: [B, H, S, D] a layer's key buffer (slot s = position s).
-      values: [B, H, S, D] the value buffer.
+      keys: [B, H, S, D] a layer's key buffer (slot s = position s), or the whole stacked
+        buffer [L, B, H, S, D] (``StaticCache.keys``) together with ``layer_idx``. Prefer the
+        stacked form inside a jitted step: blocks are then read straight from the cache,
+        whereas slicing one layer out first may materialise a capacity-sized copy.
+      values: the value buffer, same shape as ``keys``.
       q_positions: [B, T] absolute query positions.
       kv_lengths: [B] filled slots per row.
+      layer_idx: the layer to read when ``keys`` is stacked (an int or traced int32).
       sliding_window: optional window W: a query at p sees positions > p - W.
       logit_softcap: optional c: logits become ``c * tanh(logits / c)``.
       scale: logit scale, ``1 / sqrt(D)`` if None.
@@ -54,14 +59,18 @@ def blockwise_attend(
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of H, bad window or block size.
     """
-    if queries.ndim != 4 or keys.ndim != 4 or keys.shape != values.shape:
+    kv_rank = 4 if layer_idx is None else 5
+    if queries.ndim != 4 or keys.ndim != kv_rank or keys.shape != values.shape:
         raise ValueError(
-            "blockwise_attend: expected queries [B, Hq, T, D] and keys == values [B, H, S, D], got "
+            "blockwise_attend: expected queries [B, Hq, T, D] and keys == values "
+            f"{'[B, H, S, D]' if layer_idx is None else '[L, B, H, S, D] (stacked, with layer_idx)'}, got "
             f"{queries.shape}, {keys.shape}, {values.shape}."
         )
+    if layer_idx is None:
+        keys, values, layer_idx = keys[None], values[None], 0
     batch, num_q_heads, num_tokens, head_dim = queries.shape
-    _, num_kv_heads, num_slots, _ = keys.shape
-    if keys.shape[0] != batch or keys.shape[3] != head_dim or num_q_heads % num_kv_heads:
+    _, _, num_kv_heads, num_slots, _ = keys.shape
+    if keys.shape[1] != batch or keys.shape[4] != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(
             f"blockwise_attend: queries {queries.shape} do not fit keys {keys.shape} (same batch and "
             "head_dim; query heads a multiple of kv heads)."
@@ -82,6 +91,7 @@ def blockwise_attend(
     q_pos = q_positions.astype(jnp.int32)
     kv_len = kv_lengths.astype(jnp.int32)
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
+    layer = jnp.asarray(layer_idx, jnp.int32)
 
     # Trip count from the data: blocks past every row's fill (and past every query) are
     # never read; with a window, blocks before every query's window are skipped too.
@@ -97,27 +107,31 @@ def blockwise_attend(
         # The last block may run past S: slice the final `block` slots instead (a clamped
         # read is harmless here) and mask out the slots an earlier block already covered.
         offset = jnp.minimum(first, num_slots - block)
-        k_blk = jax.lax.dynamic_slice_in_dim(keys, offset, block, axis=2)
-        v_blk = jax.lax.dynamic_slice_in_dim(values, offset, block, axis=2)
+        start_idx = (layer, 0, 0, offset, 0)
+        size = (1, batch, num_kv_heads, block, head_dim)
+        k_blk = jax.lax.dynamic_slice(keys, start_idx, size)[0]  # [B, H, blk, D]
+        v_blk = jax.lax.dynamic_slice(values, start_idx, size)[0]
         slots = offset + jnp.arange(block, dtype=jnp.int32)  # [blk]
         filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
-        visible = filled[:, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, blk]
+        visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
         if sliding_window is not None:
-            visible = visible & (q_pos[:, :, None] - slots[None, None, :] < sliding_window)
-        logits = jnp.einsum("bhgtd,bhsd->bhgts", q, k_blk, preferred_element_type=jnp.float32) * scale
+            visible = visible & (q_pos[:, None, :] - slots[None, :, None] < sliding_window)
+        # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
+        # of the product, which XLA:CPU runs several times faster than the transposed form.
+        logits = jnp.einsum("bhsd,bhgtd->bhsgt", k_blk, q, preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-        visible = visible[:, None, None, :, :]
+        visible = visible[:, None, :, None, :]
         logits = jnp.where(visible, logits, -jnp.inf)
-        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=2))  # [B, H, G, T]
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        weights = jnp.where(visible, jnp.exp(logits - safe_max[..., None]), 0.0)
+        weights = jnp.where(visible, jnp.exp(logits - safe_max[:, :, None]), 0.0)
         correction = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - safe_max), 0.0)
         v_blk = jnp.where(filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
         acc = acc * correction[..., None] + jnp.einsum(
-            "bhgts,bhsd->bhgtd", weights.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+            "bhsgt,bhsd->bhgtd", weights.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
         )
-        return new_max, running_sum * correction + jnp.sum(weights, axis=-1), acc
+        return new_max, running_sum * correction + jnp.sum(weights, axis=2), acc
 
     stats_shape = (batch, num_kv_heads, groups, num_tokens)
     init = (

@@ -127,3 +127,20 @@ def test_blockwise_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         blockwise_attend(q, k, k, **args)
+
+
+def test_blockwise_reads_a_stacked_cache_by_layer_index():
+    kv_len = np.array([13, 6])
+    stacked = [make_inputs(s, 2, 4, 2, 2, 32, 8, kv_len) for s in range(3)]
+    q = jnp.asarray(stacked[0][0])
+    keys = jnp.stack([jnp.asarray(k) for _, k, _ in stacked])  # [L, B, H, S, D]
+    values = jnp.stack([jnp.asarray(v) for _, _, v in stacked])
+    kw = dict(q_positions=jnp.asarray((kv_len - 2)[:, None] + np.arange(2), jnp.int32),
+              kv_lengths=jnp.asarray(kv_len, jnp.int32), block_size=8)
+    for layer in range(3):
+        want = numpy_attention(np.asarray(q), np.asarray(keys[layer]), np.asarray(values[layer]),
+                               np.asarray(kw["q_positions"]), kv_len)
+        got = jax.jit(lambda q, k, v, i: blockwise_attend(q, k, v, layer_idx=i, **kw))(q, keys, values, jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="stacked, with layer_idx"):
+        blockwise_attend(q, keys[0], values[0], layer_idx=0, **kw)
