@@ -1,0 +1,64 @@
+"""Sampling filters on hand-made distributions, and sampling statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.sampling import SamplingConfig, greedy, sample, top_k_filter, top_p_filter
+
+PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
+
+
+@pytest.mark.parametrize(
+    "p, kept",
+    [(0.3, {1}), (0.5, {1}), (0.51, {1, 3}), (0.79, {1, 3}), (0.85, {1, 3, 2}), (0.96, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_smallest_set_reaching_p(p, kept):
+    out = np.asarray(top_p_filter(LOGITS, p))[0]
+    assert set(np.flatnonzero(np.isfinite(out))) == kept
+    np.testing.assert_array_equal(out[list(kept)], np.asarray(LOGITS)[0, list(kept)])
+
+
+@pytest.mark.parametrize("k, kept", [(1, {1}), (2, {1, 3}), (3, {1, 2, 3}), (4, {0, 1, 2, 3}), (0, {0, 1, 2, 3})])
+def test_top_k_keeps_k_largest(k, kept):
+    out = np.asarray(top_k_filter(LOGITS, k))[0]
+    assert set(np.flatnonzero(np.isfinite(out))) == kept
+
+
+def test_top_k_one_and_tiny_temperature_equal_greedy():
+    logits = jax.random.normal(jax.random.key(0), (16, 50))
+    want = greedy(logits)
+    keys = jax.random.split(jax.random.key(1), 5)
+    for key in keys:
+        np.testing.assert_array_equal(sample(logits, key, SamplingConfig(temperature=1.0, top_k=1)), want)
+        np.testing.assert_array_equal(sample(logits, key, SamplingConfig(temperature=1e-6)), want)
+        np.testing.assert_array_equal(sample(logits, key, SamplingConfig(temperature=0.0)), want)
+
+
+def test_same_key_same_tokens_different_key_differs():
+    logits = jnp.zeros((64, 100))
+    config = SamplingConfig(temperature=1.0, top_p=0.9)
+    a = sample(logits, jax.random.key(3), config)
+    np.testing.assert_array_equal(a, sample(logits, jax.random.key(3), config))
+    assert (a != sample(logits, jax.random.key(4), config)).any()
+
+
+def test_sampling_frequencies_follow_filtered_distribution():
+    n = 20000
+    logits = jnp.broadcast_to(LOGITS, (n, 4))
+    tokens = np.asarray(jax.jit(lambda l, k: sample(l, k, SamplingConfig(temperature=1.0, top_p=0.85)))(logits, jax.random.key(0)))
+    counts = np.bincount(tokens, minlength=4) / n
+    want = np.array([0.0, 0.5, 0.15, 0.3]) / 0.95
+    # 5 standard errors of a binomial proportion at n=20000: about 0.018 at p=0.5.
+    assert np.all(np.abs(counts - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9), counts
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(temperature=-1.0), "temperature must be >= 0"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p")],
+)
+def test_bad_sampling_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
