@@ -1,0 +1,378 @@
+"""QuantizedCache: quantizer error bound, memory ratios, dequantized contents against the
+NumPy model (exact tokens) within the derived bound, residual exactness, overflow policy,
+jit / vmap / scan / donation and every error path."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import INVALID, OVERFLOW, CacheError, StaticCache
+from jaxkv.quantized import QuantizedCache, dequantize, quantize
+from reference import ReferenceCache
+
+L, B, H, D, S = 2, 2, 2, 4, 12
+QMAX = {8: 127, 4: 7}
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def make(bits=8, residual=0, batch=B, max_length=S, dtype=jnp.float32, head_dim=D):
+    return QuantizedCache.init(
+        num_layers=L, batch_size=batch, num_kv_heads=H, head_dim=head_dim, max_length=max_length,
+        bits=bits, residual_length=residual, dtype=dtype,
+    )
+
+
+def rand(rng, batch, t, scale=3.0):
+    return (scale * rng.standard_normal((batch, H, t, D))).astype(np.float32)
+
+
+def error_bound(x, bits):
+    """Per-token bound on |x - dequantize(quantize(x))| for a bfloat16 scale rounded up:
+    scale <= max|x| / qmax * (1 + 2**-7), error <= scale / 2; plus f32 rounding slack."""
+    absmax = np.abs(x).max(axis=-1, keepdims=True)
+    return absmax / (2 * QMAX[bits]) * (1 + 2.0**-7) + 1e-6 * np.abs(x) + 1e-30
+
+
+# ------------------------------------------------------------------------ quantizer
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantizer_error_bound_zero_tokens_and_packing(bits):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 128)) * rng.lognormal(0, 3, (64, 1))).astype(np.float32)
+    x[3] = 0.0  # an all-zero token
+    x[5, 7] = -1e30  # extreme range stays finite
+    q, scale = quantize(x, bits)
+    assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+    assert q.shape == (64, 128 if bits == 8 else 64) and scale.dtype == jnp.bfloat16
+    deq = np.asarray(dequantize(q, scale, bits))
+    assert np.isfinite(deq).all()
+    assert (np.abs(deq - x) <= error_bound(x, bits)).all()
+    np.testing.assert_array_equal(deq[3], 0.0)
+    assert float(scale[3]) == 0.0
+    # Integers in [-qmax, qmax] with max |x| = qmax get scale 1: the round trip is exact,
+    # which pins the nibble order and sign extension of the int4 packing.
+    ints = rng.integers(-QMAX[bits], QMAX[bits] + 1, (16, 8)).astype(np.float32)
+    ints[:, 0] = QMAX[bits]
+    q, scale = quantize(ints, bits)
+    np.testing.assert_array_equal(dequantize(q, scale, bits), ints)
+    if bits == 4:
+        np.testing.assert_array_equal(np.asarray(q[:, 0]) & 0xF, QMAX[4])  # element 0: low nibble
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_memory_ratios_against_static_cache(head_dim, dtype):
+    """Bytes of all leaves, realistic sizes (32 layers, 8 kv heads, 4096 tokens), no residual."""
+
+    def nbytes(make_cache):
+        shapes = jax.eval_shape(make_cache)
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    sizes = dict(num_layers=32, batch_size=1, num_kv_heads=8, head_dim=head_dim, max_length=4096)
+    full = nbytes(lambda: StaticCache.init(**sizes, dtype=dtype))
+    ratios = {bits: full / nbytes(lambda: QuantizedCache.init(**sizes, bits=bits, dtype=dtype)) for bits in (8, 4)}
+    assert ratios[8] >= 1.9 and ratios[4] >= 3.5, ratios
+
+
+# -------------------------------------------------------------------- NumPy model
+
+
+class QuantizedReference(ReferenceCache):
+    """Exact tokens plus, per layer and row, the first position the residual still holds
+    exactly: a write ending at length n keeps positions >= n - R; a crop to m keeps < m."""
+
+    def __init__(self, layers, batch, residual):
+        super().__init__(layers, batch)
+        self.residual = residual
+        self.exact_from = [[0] * batch for _ in range(layers)]
+
+    def update(self, layer, keys, values, num_new=None):
+        super().update(layer, keys, values, num_new)
+        for b in range(self.batch):
+            self.exact_from[layer][b] = max(self.exact_from[layer][b], self.length(layer, b) - self.residual)
+
+    def crop(self, max_length):
+        super().crop(max_length)
+        for layer, row in enumerate(self.exact_from):
+            for b in range(self.batch):
+                row[b] = min(row[b], self.length(layer, b))
+
+    def select(self, indices):
+        super().select(indices)
+        self.exact_from = [[row[i] for i in indices] for row in self.exact_from]
+
+    def repeat(self, r):
+        super().repeat(r)
+        self.exact_from = [[e for e in row for _ in range(r)] for row in self.exact_from]
+
+    def reset(self, rows=None):
+        for layer in range(len(self.rows)):
+            for b in range(self.batch):
+                if rows is None or rows[b]:
+                    self.rows[layer][b] = []
+                    self.exact_from[layer][b] = 0
+
+
+@jax.jit
+def _snapshot(cache):
+    return cache.lengths, jnp.stack([jnp.stack(cache._dequantized(layer)) for layer in range(cache.num_layers)])
+
+
+def assert_matches(cache, ref):
+    lengths, kv = (np.asarray(x) for x in _snapshot(cache))  # kv: [L, 2, B, H, S, D]
+    for layer in range(len(ref.rows)):
+        for b in range(ref.batch):
+            n = ref.length(layer, b)
+            assert lengths[layer, b] == n, (layer, b)
+            for which, exact in enumerate(ref.layer_arrays(layer, b, H, D)):  # keys, values [H, n, D]
+                got = kv[layer, which, b, :, :n]
+                e = ref.exact_from[layer][b]
+                np.testing.assert_array_equal(got[:, e:], exact[:, e:])
+                assert (np.abs(got[:, :e] - exact[:, :e]) <= error_bound(exact[:, :e], cache.bits)).all()
+
+
+_update = jax.jit(lambda cache, k, v, num_new, layer: cache.update(k, v, layer, num_new=num_new)[0])
+_crop = jax.jit(lambda cache, m: cache.crop(m))
+_select = jax.jit(lambda cache, idx: cache.batch_select_indices(idx))
+_repeat = jax.jit(lambda cache, r: cache.batch_repeat_interleave(r), static_argnums=1)
+_reset = jax.jit(lambda cache, rows: cache.reset(rows))
+CHUNKS = (1, 5)  # each (batch, T, bits, R) compiles once: keep the shapes few
+
+
+@st.composite
+def programs(draw):
+    batch = draw(st.integers(1, 2))
+    ops, b = [], batch
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["update"] * 4 + ["crop", "select", "repeat", "reset"]))
+        if kind == "update":
+            t = draw(st.sampled_from(CHUNKS))
+            op = ("update", draw(st.integers(0, L - 1)), t, draw(st.lists(st.integers(0, t), min_size=b, max_size=b)))
+        elif kind == "crop":
+            op = ("crop", draw(st.lists(st.integers(-4, S + 1), min_size=b, max_size=b)))
+        elif kind == "select":
+            op = ("select", draw(st.lists(st.integers(0, b - 1), min_size=1, max_size=b)))
+            b = len(op[1])
+        elif kind == "repeat":
+            op = ("repeat", 2 if b == 1 else 1)
+            b *= op[1]
+        else:
+            op = ("reset", draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+        ops.append(op)
+    bits, residual = draw(st.sampled_from([(8, 0), (4, 3)]))
+    return batch, bits, residual, ops, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_match_numpy_model_within_bound(program):
+    """Scales move with the data: after any mix of ops every stored token dequantizes
+    within the bound (exactly where the residual holds it)."""
+    batch, bits, residual, ops, seed = program
+    rng = np.random.default_rng(seed)
+    cache, ref = make(bits, residual, batch=batch), QuantizedReference(L, batch, residual)
+    for op in ops:
+        if op[0] == "update":
+            _, layer, t, num_new = op
+            if any(ref.length(layer, i) + n > S for i, n in enumerate(num_new)):
+                continue  # overflow has its own tests
+            k, v = rand(rng, ref.batch, t), rand(rng, ref.batch, t, scale=0.01)
+            cache = _update(cache, k, v, jnp.array(num_new, jnp.int32), jnp.int32(layer))
+            ref.update(layer, k, v, num_new)
+        elif op[0] == "crop":
+            cache = _crop(cache, jnp.array(op[1], jnp.int32))
+            ref.crop(op[1])
+        elif op[0] == "select":
+            cache = _select(cache, jnp.array(op[1], jnp.int32))
+            ref.select(op[1])
+        elif op[0] == "repeat":
+            cache = _repeat(cache, op[1])
+            ref.repeat(op[1])
+        else:
+            cache = _reset(cache, jnp.array(op[1]))
+            ref.reset(op[1])
+        assert_matches(cache, ref)
+    assert not np.asarray(cache.flags).any()
+
+
+# ------------------------------------------------------------------------- behaviour
+
+
+def filled(bits=8, residual=2, seed=0):
+    rng = np.random.default_rng(seed)
+    cache = make(bits, residual)
+    for layer in range(L):
+        cache, _, _ = cache.update(rand(rng, B, 5), rand(rng, B, 5), layer, num_new=jnp.array([5, 3]))
+    return cache
+
+
+K2 = rand(np.random.default_rng(3), B, 2)
+
+
+def test_update_returns_dequantized_layer_with_exact_residual():
+    rng = np.random.default_rng(1)
+    k, v = rand(rng, B, 5), rand(rng, B, 5)
+    k[0, :, 1] = 0.0  # an all-zero token: zeros, no NaN
+    cache, keys, values = make(4, residual=2).update(k, v, 0, num_new=jnp.array([5, 3]))
+    assert keys.shape == (B, H, S, D) and keys.dtype == jnp.float32
+    np.testing.assert_array_equal(keys[0, :, 3:5], k[0, :, 3:5])  # last 2: exact
+    np.testing.assert_array_equal(values[1, :, 1:3], v[1, :, 1:3])
+    np.testing.assert_array_equal(keys[0, :, 1], 0.0)
+    assert (np.abs(np.asarray(keys[0, :, :3]) - k[0, :, :3]) <= error_bound(k[0, :, :3], 4)).all()
+    assert np.isfinite(np.asarray(keys)).all()
+    chex.assert_trees_all_equal(cache[0], (keys, values))
+
+
+def test_bf16_model_dtype_stays_bf16():
+    cache = make(8, residual=2, dtype=jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):
+        cache, keys, values = jax.jit(lambda c: c.update(K2, K2, 0))(cache)
+    assert keys.dtype == values.dtype == cache.residual_keys.dtype == jnp.bfloat16
+    assert cache.keys.dtype == jnp.int8 and cache.key_scales.dtype == jnp.bfloat16
+
+
+def _all_ops(cache):
+    return dict(
+        update=cache.update(K2, K2 + 1, 1, num_new=jnp.array([2, 1])),
+        update_default=cache.update_view(K2, K2, 0),
+        crop=cache.crop(-1),
+        crop_rows=cache.crop(jnp.array([4, 1])),
+        reorder=cache.reorder_cache(jnp.array([1, 0])),
+        select=cache.batch_select_indices(jnp.array([1])),
+        repeat=cache.batch_repeat_interleave(2),
+        reset=cache.reset(),
+        reset_rows=cache.reset(jnp.array([True, False])),
+        positions=cache.positions(3, 1),
+        seq_lengths=cache.seq_lengths(1),
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_op_eager_equals_jit(bits):
+    cache = filled(bits)
+    chex.assert_trees_all_equal(_all_ops(cache), jax.jit(_all_ops)(cache))
+
+
+def test_vmap_equals_loop_and_scan_over_layers_equals_unrolled():
+    caches = [filled(4, seed=s) for s in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+
+    def step(cache):
+        cache, keys, _ = cache.update(K2, K2, 0, num_new=jnp.array([2, 1]))
+        return cache.reorder_cache(jnp.array([1, 0])), keys
+
+    batched = jax.jit(jax.vmap(step))(stacked)
+    for i, cache in enumerate(caches):
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], batched), jax.jit(step)(cache))
+
+    def unrolled(cache):
+        for layer in range(L):
+            cache, _, _ = cache.update(K2 * layer, K2, layer)
+        return cache
+
+    def scanned(cache):
+        def body(cache, layer):
+            cache, _, _ = cache.update(K2 * layer.astype(jnp.float32), K2, layer)
+            return cache, None
+
+        return jax.lax.scan(body, cache, jnp.arange(L, dtype=jnp.int32))[0]
+
+    chex.assert_trees_all_equal(jax.jit(unrolled)(filled()), jax.jit(scanned)(filled()))
+
+
+def test_donated_decode_step_writes_in_place_and_compiles_once():
+    traces = []
+
+    def step(cache, k):
+        traces.append(1)
+        for layer in range(L):
+            cache, _, _ = cache.update(k, k, layer)
+        return cache
+
+    jitted = jax.jit(step, donate_argnums=0)
+    cache = make(4, residual=2, max_length=64)
+    k = jnp.ones((B, H, 1, D))
+    pointers = [x.unsafe_buffer_pointer() for x in (cache.keys, cache.key_scales, cache.residual_keys)]
+    for _ in range(40):
+        old = cache
+        cache = jitted(cache, k)
+        assert old.keys.is_deleted() and old.value_scales.is_deleted()
+    assert [x.unsafe_buffer_pointer() for x in (cache.keys, cache.key_scales, cache.residual_keys)] == pointers
+    assert len(traces) == 1
+    np.testing.assert_array_equal(cache.seq_lengths(1), [40, 40])
+
+
+# --------------------------------------------------------------- overflow and errors
+
+
+def test_eager_overflow_raises_and_jit_overflow_drops_and_flags():
+    cache = make(8, residual=2, max_length=4)
+    k = jnp.full((B, H, 3, D), 127.0)  # scale 1: quantization is exact
+    cache, _, _ = cache.update(k, k, 0, num_new=jnp.array([1, 3]))
+    with pytest.raises(ValueError, match=r"layer 0, row 1: it holds 3 tokens and 2 new would make 5 > max_length=4"):
+        cache.update(k[:, :, :2], k[:, :, :2], 0)
+    k2 = jnp.full((B, H, 2, D), 254.0)
+    out, keys, _ = jax.jit(lambda c: c.update(k2, k2, 0))(cache)
+    np.testing.assert_array_equal(out.seq_lengths(0), [3, 4])
+    assert int(out.flags[1]) & OVERFLOW and int(out.flags[0]) == 0
+    np.testing.assert_array_equal(keys[1, :, 3], 254.0)  # the one free slot took the first token
+    np.testing.assert_array_equal(keys[1, :, :3], 127.0)  # nothing clamped onto slot 3 or before
+    with pytest.raises(CacheError, match=r"rows \[1\] overflowed max_length=4"):
+        out.check()
+    assert out.reset().check() is not None
+
+
+def test_traced_bad_indices_set_invalid_flag():
+    cache = filled()
+    out = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.array([1, 5]))
+    assert int(out.flags[1]) & INVALID and out.seq_lengths(0).tolist() == [3, 0]
+    bad_layer, _, _ = jax.jit(lambda c, i: c.update(K2, K2, i))(cache, jnp.int32(L))
+    chex.assert_trees_all_equal(bad_layer.keys, cache.keys)
+    assert (np.asarray(bad_layer.flags) & INVALID).all()
+    with pytest.raises(CacheError, match="out-of-range index or num_new"):
+        bad_layer.check()
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda c: c.update(K2[0], K2[0], 0), ValueError, "rank 4"),
+        (lambda c: c.update(K2[..., :2], K2[..., :2], 0), ValueError, "head_dim=2"),
+        (lambda c: c.update(K2, K2, L), ValueError, "layer_idx 2 is out of range"),
+        (lambda c: c.update(K2.astype(np.int32), K2, 0), TypeError, "floating dtype"),
+        (lambda c: c.update(K2, K2, 0, num_new=jnp.array([3, 0])), ValueError, r"num_new\[0\]=3 is outside"),
+        (lambda c: c.crop(1.5), TypeError, "max_length must be an int"),
+        (lambda c: c.reorder_cache(jnp.array([0])), ValueError, "one entry per row"),
+        (lambda c: c.batch_select_indices(jnp.array([2])), ValueError, "row index 2"),
+        (lambda c: c.batch_repeat_interleave(0), ValueError, "repeats must be >= 1"),
+        (lambda c: c.reset(jnp.array([1, 0])), TypeError, "rows must be a bool array"),
+        (lambda c: c[L], ValueError, "out of range"),
+        (lambda c: make(bits=2), ValueError, "bits must be 8 or 4"),
+        (lambda c: make(bits=4, head_dim=3), ValueError, "head_dim must be even"),
+        (lambda c: make(residual=-1), ValueError, "residual_length must be an int >= 0"),
+        (lambda c: make(dtype=jnp.int8), TypeError, "dtype must be floating"),
+        (lambda c: quantize(np.ones((2, 3)), 4), ValueError, "head_dim must be even"),
+    ],
+)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(filled())
+
+
+def test_protocol():
+    cache = filled()
+    assert len(cache) == L and len(list(cache)) == L and cache.get_max_length() == S
+    assert cache.get_seq_length(0) == 5 and cache.residual_length == 2 and cache.head_dim == D
+    assert jax.tree.structure(cache) == jax.tree.structure(make(8, 2))
