@@ -20,6 +20,11 @@ slots are zeroed before the probability-weighted sum (``0 * NaN`` is NaN).
 The computation is written as max / sum-of-exponentials / weighted-sum over slots so
 that a blockwise version (reading only the filled blocks, cost scaling with tokens
 stored instead of capacity) can replace the body without changing this interface.
+
+* :func:`attend` / :func:`attention_mask`: the math, on plain arrays.
+* :func:`token_positions` / :func:`cache_attention`: the glue to a jaxkv cache (positions
+  of new tokens; write one layer, then attend over it) shared by ``jaxkv.nnx`` and
+  ``jaxkv.linen``.
 """
 
 from __future__ import annotations

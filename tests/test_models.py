@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxkv import DynamicCache, StaticCache
-from jaxkv.generate import _generate, generate
+from jaxkv.generate import _generate, decode_step, generate, prefill
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.models.llama import rope_frequencies
 from jaxkv.nnx import KVAttention, token_positions
@@ -132,6 +132,23 @@ def test_jitted_step_donates_the_cache():
     _, new_cache = forward(model, jnp.array([[1, 2]], jnp.int32), cache)
     assert old_keys.is_deleted()
     assert int(new_cache.seq_lengths(0)[0]) == 2
+
+
+def test_jax_jit_prefill_and_donated_decode_step_compile_once():
+    """The building blocks of generate under plain jax.jit: model as split (graphdef, state)."""
+    model = make_model(seed=13)
+    graphdef, state = nnx.split(model)
+    jit_prefill = jax.jit(prefill, static_argnames="graphdef", donate_argnames="cache")
+    jit_step = jax.jit(decode_step, static_argnames="graphdef", donate_argnames="cache")
+    prompt = jnp.asarray(np.random.default_rng(14).integers(0, 128, size=(2, 4)), jnp.int32)
+    cache = model.init_cache(batch_size=2, max_length=8)
+    tokens, cache = jit_prefill(graphdef, state, prompt, jnp.array([4, 2], jnp.int32), cache)
+    for _ in range(3):
+        old = cache
+        tokens, cache = jit_step(graphdef, state, tokens, cache)
+        assert old.keys.is_deleted()
+    assert jit_step._cache_size() == 1  # fill levels are data, not part of the compiled shape
+    np.testing.assert_array_equal(np.asarray(cache.seq_lengths(1)), [7, 5])
 
 
 def test_generate_greedy_ragged_equals_alone_and_compiles_once():

@@ -364,7 +364,7 @@ class Llama(nnx.Module):
 
     def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> StaticCache:
         """An empty StaticCache for this model; keys/values in the parameter dtype by default."""
-        return init_cache(self.cache_spec, batch_size, max_length, dtype=dtype or self.dtype)
+        return init_cache(self.cache_spec, batch_size, max_length, dtype=self.dtype if dtype is None else dtype)
 
     def __call__(
         self,
