@@ -1,0 +1,381 @@
+"""HybridCache: layer kinds from HF configs (checked against transformers' own config
+classes), per-layer dispatch against the NumPy models of both kinds, attention through
+update_and_attend, jit / vmap / donation, and the error paths."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_checks import assert_matches_reference
+from jaxkv import INVALID, OVERFLOW, CacheError, DynamicCache, StaticCache
+from jaxkv.hybrid import FULL, SLIDING, HybridCache, layer_types_from_config, update_and_attend
+from jaxkv.quantized import QuantizedCache
+from jaxkv.sliding import NO_POSITION, SlidingWindowCache
+from reference import ReferenceCache
+from test_sliding import SlidingReference, attend_view, band_attention
+from test_sliding import assert_matches as assert_sliding_matches
+
+TYPES = (SLIDING, FULL, SLIDING, FULL)
+B, H, D, S, W, EXTRA = 2, 2, 3, 12, 3, 1
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def make(batch=B, types=TYPES, dtype=jnp.float32):
+    return HybridCache.init(
+        layer_types=types, batch_size=batch, num_kv_heads=H, head_dim=D, max_length=S, window=W,
+        extra_slots=EXTRA, dtype=dtype,
+    )
+
+
+def rand(rng, batch, t, heads=H):
+    return rng.standard_normal((batch, heads, t, D)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------ HF configs
+
+
+def test_layer_types_match_transformers_configs():
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    small = dict(num_hidden_layers=5, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    cases = [
+        Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+        Qwen3Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=3),
+        Qwen2Config(**small, use_sliding_window=False, sliding_window=8, max_window_layers=2),
+        Qwen3Config(**small, layer_types=[FULL, SLIDING] * 2 + [FULL], use_sliding_window=True, sliding_window=4),
+        MistralConfig(**small, sliding_window=8),
+        MistralConfig(**small, sliding_window=None),
+    ]
+    for config in cases:
+        types, window = layer_types_from_config(config)
+        expected = getattr(config, "layer_types", None) or (
+            [SLIDING if config.sliding_window else FULL] * 5  # Mistral: one window for every layer
+        )
+        assert list(types) == list(expected), config
+        assert window == (config.sliding_window if SLIDING in types else None)
+    assert layer_types_from_config(cases[0])[0] == (FULL, FULL, SLIDING, SLIDING, SLIDING)
+    # A raw config.json dict (no post-processing): Qwen switches the window off by flag.
+    raw = dict(model_type="qwen2", num_hidden_layers=3, use_sliding_window=False, sliding_window=4096, max_window_layers=1)
+    assert layer_types_from_config(raw) == ((FULL,) * 3, None)
+    raw["use_sliding_window"] = True
+    assert layer_types_from_config(raw) == ((FULL, SLIDING, SLIDING), 4096)
+    assert layer_types_from_config(dict(model_type="llama", num_hidden_layers=2)) == ((FULL, FULL), None)
+
+
+def test_from_config_shapes_each_kind():
+    config = dict(
+        model_type="qwen3", num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+    )
+    cache = HybridCache.from_config(config, batch_size=3, max_length=40, extra_slots=2, dtype=jnp.bfloat16)
+    assert cache.layer_types == (FULL, SLIDING, SLIDING, SLIDING)
+    assert cache.full.keys.shape == (1, 3, 2, 40, 16) and cache.sliding.keys.shape == (3, 3, 2, 8, 16)
+    assert cache.window == 6 and cache.full.dtype == jnp.bfloat16 and cache.get_max_length() == 40
+    del config["head_dim"]
+    assert HybridCache.from_config(config, batch_size=1, max_length=8).full.head_dim == 32 // 4
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(model_type="gemma2", num_hidden_layers=2, sliding_window=4), "Pass layer_types"),
+        (dict(num_hidden_layers=2, layer_types=[FULL]), "expected one per layer"),
+        (dict(num_hidden_layers=2, layer_types=[FULL, "linear_attention"]), "linear_attention"),
+        (dict(num_hidden_layers=2, layer_types=[FULL, SLIDING]), "sliding window is None"),
+        (dict(model_type="mistral"), "num_hidden_layers must be an int"),
+    ],
+)
+def test_bad_configs(config, match):
+    with pytest.raises(ValueError, match=match):
+        layer_types_from_config(config)
+
+
+# -------------------------------------------------------------------- property test
+
+
+class HybridReference:
+    """A ReferenceCache for the full layers and a SlidingReference for the sliding ones."""
+
+    def __init__(self, batch):
+        self.full = ReferenceCache(TYPES.count(FULL), batch)
+        self.sliding = SlidingReference(TYPES.count(SLIDING), batch, W, W + EXTRA)
+
+    def part(self, layer):
+        return (self.full if TYPES[layer] == FULL else self.sliding), TYPES[:layer].count(TYPES[layer])
+
+    @property
+    def batch(self):
+        return self.full.batch
+
+    def length(self, layer, row):
+        ref, j = self.part(layer)
+        return ref.length(j, row)
+
+    def apply(self, name, *args):
+        for ref in (self.full, self.sliding):
+            getattr(ref, name)(*args)
+
+
+_update = {
+    layer: jax.jit(lambda cache, k, v, n, layer=layer: cache.update(k, v, layer, num_new=n)[0])
+    for layer in range(len(TYPES))
+}
+_crop = jax.jit(lambda cache, m: cache.crop(m))
+_select = jax.jit(lambda cache, idx: cache.batch_select_indices(idx))
+_repeat = jax.jit(lambda cache, r: cache.batch_repeat_interleave(r), static_argnums=1)
+
+
+@st.composite
+def programs(draw):
+    ops, b = [], draw(st.integers(1, 2))
+    batch = b
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["update"] * 4 + ["crop", "select", "repeat"]))
+        if kind == "update":
+            t = draw(st.sampled_from((1, 4)))
+            op = ("update", draw(st.integers(0, len(TYPES) - 1)), t,
+                  draw(st.lists(st.integers(0, t), min_size=b, max_size=b)))
+        elif kind == "crop":
+            op = ("crop", draw(st.lists(st.integers(-3, S), min_size=b, max_size=b)))
+        elif kind == "select":
+            op = ("select", draw(st.lists(st.integers(0, b - 1), min_size=1, max_size=b)))
+            b = len(op[1])
+        else:
+            op = ("repeat", 2 if b == 1 else 1)
+            b *= op[1]
+        ops.append(op)
+    return batch, ops, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_match_numpy_models(program):
+    batch, ops, seed = program
+    rng = np.random.default_rng(seed)
+    cache, ref = make(batch), HybridReference(batch)
+    for op in ops:
+        if op[0] == "update":
+            _, layer, t, num_new = op
+            if TYPES[layer] == FULL and any(ref.length(layer, i) + n > S for i, n in enumerate(num_new)):
+                with pytest.raises(ValueError, match="overflow"):
+                    cache.update(np.zeros((ref.batch, H, t, D), np.float32), np.zeros((ref.batch, H, t, D), np.float32),
+                                 layer, num_new=jnp.array(num_new))
+                continue
+            k, v = rand(rng, ref.batch, t), rand(rng, ref.batch, t)
+            cache = _update[layer](cache, k, v, jnp.array(num_new, jnp.int32))
+            part, j = ref.part(layer)
+            part.update(j, k, v, num_new)
+        elif op[0] == "crop":
+            if ref.sliding.crop_error(op[1]) is not None:
+                with pytest.raises(ValueError, match="evicted"):
+                    cache.crop(jnp.array(op[1], jnp.int32))
+                continue
+            cache = _crop(cache, jnp.array(op[1], jnp.int32))
+            # Negative targets count from layer 0 (a sliding layer) for both parts.
+            targets = [m if m >= 0 else max(ref.length(0, i) + m, 0) for i, m in enumerate(op[1])]
+            ref.apply("crop", targets)
+        elif op[0] == "select":
+            cache = _select(cache, jnp.array(op[1], jnp.int32))
+            ref.apply("select", op[1])
+        else:
+            cache = _repeat(cache, op[1])
+            ref.apply("repeat", op[1])
+        assert_matches_reference(cache.full, ref.full, heads=H, head_dim=D)
+        assert_sliding_matches(cache.sliding, ref.sliding)
+    assert not np.asarray(cache.flags).any()
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def test_update_and_attend_equals_numpy_attention_per_layer_kind():
+    """A 4-layer pass per chunk: sliding layers see a band, full layers all earlier tokens."""
+    rng = np.random.default_rng(0)
+    cache = make()
+    history = {layer: [np.zeros((H, 0, D), np.float32)] * 2 for layer in range(len(TYPES))}
+
+    @jax.jit
+    def forward(cache, q, k, v):  # one pass over every layer, as a model does
+        positions = cache.positions(q.shape[3])
+        outs = []
+        for layer, kind in enumerate(TYPES):
+            out, cache = update_and_attend(q[layer], k[layer], v[layer], cache, layer, positions=positions,
+                                           sliding_window=W if kind == SLIDING else None)
+            outs.append(out)
+        return jnp.stack(outs), cache
+
+    for t in (5, 1, 3, 1, 2):
+        positions = np.asarray(cache.positions(t))
+        q = rng.standard_normal((len(TYPES), B, 2 * H, t, D)).astype(np.float32)
+        k = rng.standard_normal((len(TYPES), B, H, t, D)).astype(np.float32)
+        v = rng.standard_normal((len(TYPES), B, H, t, D)).astype(np.float32)
+        with jax.numpy_rank_promotion("allow"):  # attend() broadcasts [S] with [B, 1]
+            out, cache = forward(cache, q, k, v)
+        for layer, kind in enumerate(TYPES):
+            hk, hv = history[layer]
+            hk = np.concatenate([hk, k[layer, 0]], axis=1)
+            hv = np.concatenate([hv, v[layer, 0]], axis=1)
+            history[layer] = [hk, hv]
+            window = W if kind == SLIDING else 10**6
+            for i in range(t):
+                p = int(positions[0, i])
+                expected = band_attention(q[layer, 0, :, i], hk[:, : p + 1], hv[:, : p + 1], p, window)
+                np.testing.assert_allclose(np.asarray(out[layer, 0, :, i]), expected, rtol=2e-5, atol=2e-5)
+    assert cache.sliding.capacity == W + EXTRA and cache.get_seq_length(1) == 12
+
+
+def test_update_and_attend_accepts_every_cache_kind():
+    rng = np.random.default_rng(1)
+    q, k, v = rand(rng, B, 3, heads=2 * H), rand(rng, B, 3), rand(rng, B, 3)
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (B, 3))
+    sizes = dict(batch_size=B, num_kv_heads=H, head_dim=D)
+    run = jax.jit(
+        lambda cache, layer, window=None: update_and_attend(q, k, v, cache, layer, positions=positions,
+                                                            sliding_window=window),
+        static_argnums=(1, 2),
+    )
+    with jax.numpy_rank_promotion("allow"):
+        reference, _ = run(None, 0)
+        for cache in (
+            StaticCache.init(num_layers=1, max_length=4, **sizes),
+            DynamicCache(num_layers=1),
+            SlidingWindowCache.init(num_layers=1, window=4, **sizes),
+            QuantizedCache.init(num_layers=1, max_length=4, residual_length=3, **sizes),
+            make(),
+        ):
+            out, new = run(cache, 1 if isinstance(cache, HybridCache) else 0)
+            np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5, err_msg=type(cache).__name__)
+            assert type(new) is type(cache)
+        with pytest.raises(ValueError, match="has window 3 but the model asks for sliding_window=8"):
+            run(make(), 0, 8)
+
+
+# ---------------------------------------------------------------- jit, vmap, donation
+
+
+def filled(seed=0):
+    rng = np.random.default_rng(seed)
+    cache = make()
+    for layer in range(len(TYPES)):
+        cache, _, _ = cache.update(rand(rng, B, 5), rand(rng, B, 5), layer, num_new=jnp.array([5, 3]))
+    return cache
+
+
+K2 = rand(np.random.default_rng(3), B, 2)
+
+
+def _all_ops(cache):
+    return dict(
+        update_sliding=cache.update_view(K2, K2 + 1, 0, num_new=jnp.array([2, 1])),
+        update_full=cache.update_view(K2, K2, 1),
+        crop=cache.crop(-1),
+        crop_rows=cache.crop(jnp.array([4, 2])),
+        reorder=cache.reorder_cache(jnp.array([1, 0])),
+        select=cache.batch_select_indices(jnp.array([1])),
+        repeat=cache.batch_repeat_interleave(2),
+        reset=cache.reset(),
+        reset_rows=cache.reset(jnp.array([True, False])),
+        positions=cache.positions(3),
+        kv_positions=(cache.kv_positions(0), cache.kv_positions(1)),
+        seq_lengths=cache.seq_lengths(3),
+    )
+
+
+def test_every_op_eager_equals_jit():
+    cache = filled()
+    chex.assert_trees_all_equal(_all_ops(cache), jax.jit(_all_ops)(cache))
+
+
+def test_vmap_equals_python_loop():
+    caches = [filled(s) for s in range(2)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+
+    def step(cache):
+        for layer in range(len(TYPES)):
+            cache, _, _ = cache.update(K2, K2, layer, num_new=jnp.array([2, 1]))
+        return cache.reorder_cache(jnp.array([1, 0]))
+
+    batched = jax.jit(jax.vmap(step))(stacked)
+    for i, cache in enumerate(caches):
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], batched), jax.jit(step)(cache))
+
+
+def test_donated_decode_step_writes_both_parts_in_place():
+    def step(cache, k):
+        for layer in range(len(TYPES)):
+            cache, _, _ = cache.update(k, k, layer)
+        return cache
+
+    jitted = jax.jit(step, donate_argnums=0)
+    cache = make()
+    k = jnp.ones((B, H, 1, D))
+    pointers = (cache.full.keys.unsafe_buffer_pointer(), cache.sliding.values.unsafe_buffer_pointer())
+    for _ in range(S):
+        old = cache
+        cache = jitted(cache, k)
+        assert old.full.keys.is_deleted() and old.sliding.keys.is_deleted()
+    assert (cache.full.keys.unsafe_buffer_pointer(), cache.sliding.values.unsafe_buffer_pointer()) == pointers
+    assert jitted._cache_size() == 1
+    out = jitted(cache, k)  # the full layers are at capacity: dropped and flagged, sliding goes on
+    assert (np.asarray(out.flags) & OVERFLOW).all() and out.get_seq_length(0) == S + 1
+    with pytest.raises(CacheError, match=r"overflowed max_length=12"):
+        out.check()
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_kv_positions_of_both_kinds():
+    cache = filled()
+    np.testing.assert_array_equal(cache.kv_positions(0)[0], [4, 1, 2, 3])  # ring of 4, 5 seen
+    full = np.asarray(cache.kv_positions(1))
+    np.testing.assert_array_equal(full[1, :4], [0, 1, 2, NO_POSITION])
+    assert cache[0][0].shape == (B, H, W + EXTRA, D) and cache[1][0].shape == (B, H, S, D)
+    assert len(cache) == 4 and len(list(cache)) == 4
+
+
+def test_traced_bad_row_sets_invalid():
+    out = jax.jit(lambda c, i: c.reorder_cache(i))(filled(), jnp.array([0, 7]))
+    assert int(out.flags[1]) & INVALID and int(out.flags[0]) == 0
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda c: jax.jit(lambda c, i: c.update(K2, K2, i))(c, jnp.int32(0)), TypeError, "must be a Python int"),
+        (lambda c: c.update(K2, K2, 4), ValueError, "layer_idx 4 is out of range"),
+        (lambda c: c.update(K2[:, :1], K2[:, :1], 1), ValueError, "kv_heads=1"),
+        (lambda c: c.crop(-3), ValueError, "evicted"),
+        (lambda c: c.reorder_cache(jnp.array([0])), ValueError, "HybridCache.reorder_cache: beam_idx"),
+        (lambda c: c.batch_select_indices(jnp.array([3])), ValueError, "HybridCache.batch_select_indices: row index 3"),
+        (lambda c: c.batch_repeat_interleave(0), ValueError, "repeats must be >= 1"),
+        (lambda c: c.reset(jnp.array([1, 0])), TypeError, "HybridCache.reset: rows must be a bool array"),
+        (lambda c: make(types=()), ValueError, "layer_types is empty"),
+        (lambda c: make(types=(FULL, "chunked_attention")), ValueError, "chunked_attention"),
+        (lambda c: HybridCache.init(layer_types=[SLIDING], batch_size=1, num_kv_heads=1, head_dim=1, max_length=4),
+         ValueError, "window must be given"),
+    ],
+)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(filled())
+
+
+def test_all_full_or_all_sliding():
+    full = make(types=(FULL, FULL))
+    assert full.sliding is None and full.window is None and full.get_max_length() == S
+    sliding = make(types=(SLIDING,))
+    assert sliding.full is None and sliding.get_max_length() is None
+    sliding, _, _ = sliding.update(K2, K2, 0)
+    assert sliding.reorder_cache(jnp.array([1, 0])).get_seq_length() == 2
