@@ -1,0 +1,168 @@
+"""Memory and decode-step time of every cache kind beside the plain StaticCache.
+
+Memory: bytes of all pytree leaves (data, scales, lengths, flags, positions), from
+``jax.eval_shape`` (nothing is allocated), for a 32-layer model with 8 kv heads and 4096
+tokens of capacity, head_dim 64 and 128, model dtype bfloat16 and float32. The ratio is
+StaticCache bytes / kind bytes (higher: smaller cache).
+
+Time: one jitted, donated decode step = one new token per row written into every layer
+("update": the cache's own cost), and the same followed by attention of one query per
+layer over what the layer returns ("update + attend": a sliding layer reads its window, a
+quantized layer dequantizes its whole capacity). Median of repeated calls, all in this one
+run; the ratio is kind time / StaticCache time (lower: faster).
+
+    python benchmarks/bench_cache_kinds.py [--capacity 2048] [--repeats 20]
+        [--json benchmarks/results/cache_kinds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import machine, print_table, time_calls, write_json
+from jaxkv import StaticCache
+from jaxkv.hybrid import FULL, SLIDING, HybridCache, update_and_attend
+from jaxkv.quantized import QuantizedCache
+from jaxkv.sliding import SlidingWindowCache
+
+
+def kinds(*, layers: int, batch: int, heads: int, head_dim: int, capacity: int, window: int, dtype) -> dict:
+    """Constructors of every kind for one model shape (call them to allocate)."""
+    sizes = dict(num_layers=layers, batch_size=batch, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    hybrid_types = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]  # alternating local/global
+    return {
+        "static": lambda: StaticCache.init(max_length=capacity, **sizes),
+        f"sliding (W={window})": lambda: SlidingWindowCache.init(window=window, **sizes),
+        "hybrid (1/2 sliding)": lambda: HybridCache.init(
+            layer_types=hybrid_types, max_length=capacity, window=window,
+            **{k: v for k, v in sizes.items() if k != "num_layers"},
+        ),
+        "int8": lambda: QuantizedCache.init(max_length=capacity, bits=8, **sizes),
+        "int4": lambda: QuantizedCache.init(max_length=capacity, bits=4, **sizes),
+        "int8 + residual 128": lambda: QuantizedCache.init(max_length=capacity, bits=8, residual_length=128, **sizes),
+        "int4 + residual 128": lambda: QuantizedCache.init(max_length=capacity, bits=4, residual_length=128, **sizes),
+    }
+
+
+def nbytes(make) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(make)))
+
+
+def memory_table() -> dict:
+    results = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for head_dim in (64, 128):
+            makers = kinds(layers=32, batch=1, heads=8, head_dim=head_dim, capacity=4096, window=512, dtype=dtype)
+            sizes = {name: nbytes(make) for name, make in makers.items()}
+            results[f"{jnp.dtype(dtype).name}, head_dim={head_dim}"] = {
+                name: {"bytes": b, "ratio_vs_static": sizes["static"] / b} for name, b in sizes.items()
+            }
+    return results
+
+
+def step_time(
+    make, *, attention: bool, layers: int, batch: int, heads: int, head_dim: int, fill: int, repeats: int
+) -> float:
+    cache = make()
+    q_heads = 2 * heads
+
+    def prefill(cache, k):
+        for layer in range(layers):
+            cache, _, _ = cache.update(k, k, layer)
+        return cache
+
+    cache = jax.jit(prefill, donate_argnums=0)(cache, jnp.full((batch, heads, fill, head_dim), 0.1, jnp.float32))
+    q = jnp.full((batch, q_heads, 1, head_dim), 0.1, jnp.float32)
+    k = jnp.full((batch, heads, 1, head_dim), 0.2, jnp.float32)
+
+    def decode(cache, q, k):
+        positions = cache.positions(1)
+        total = jnp.zeros((), jnp.float32)
+        for layer in range(layers):
+            if attention:
+                out, cache = update_and_attend(q, k, k, cache, layer, positions=positions)
+                total = total + out.sum()
+            else:
+                cache, _, _ = cache.update(k, k, layer)
+        # Roll back the token just written so every timed step sees the same fill level.
+        return cache.crop(fill), total
+
+    step = jax.jit(decode, donate_argnums=0)
+    state = {"cache": cache}
+
+    def call():
+        state["cache"], total = step(state["cache"], q, k)
+        total.block_until_ready()
+
+    return time_calls(call, repeats=repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capacity", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default="benchmarks/results/cache_kinds.json")
+    args = parser.parse_args()
+
+    memory = memory_table()
+    for config, rows in memory.items():
+        print(f"\nmemory, 32 layers x 8 kv heads x 4096 tokens, {config}")
+        print_table(
+            ["kind", "MiB", "static / kind"],
+            [[name, f"{r['bytes'] / 2**20:.1f}", f"{r['ratio_vs_static']:.2f}x"] for name, r in rows.items()],
+        )
+
+    shape = dict(layers=4, batch=1, heads=8, head_dim=128)
+    fill, window = args.capacity // 2, 256
+    makers = kinds(**shape, capacity=args.capacity, window=window, dtype=jnp.float32)
+    timing = {
+        mode: {
+            name: step_time(make, attention=mode == "update + attend", **shape, fill=fill, repeats=args.repeats)
+            for name, make in makers.items()
+        }
+        for mode in ("update", "update + attend")
+    }
+    base = {mode: t["static"] for mode, t in timing.items()}
+    print(
+        f"\ndecode step (1 token x {shape['layers']} layers, 8 kv heads, head_dim 128, float32, capacity "
+        f"{args.capacity}, {fill} tokens held, window {window}), donated, jitted"
+    )
+    print_table(
+        ["kind", "update ms", "update / static", "update + attend ms", "(update + attend) / static"],
+        [
+            [
+                name,
+                f"{timing['update'][name] * 1e3:.3f}",
+                f"{timing['update'][name] / base['update']:.2f}x",
+                f"{timing['update + attend'][name] * 1e3:.3f}",
+                f"{timing['update + attend'][name] / base['update + attend']:.2f}x",
+            ]
+            for name in makers
+        ],
+    )
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "memory": memory,
+            "decode_step": {
+                "config": {**shape, "dtype": "float32", "capacity": args.capacity, "fill": fill, "window": window},
+                "seconds": timing,
+                "ratio_vs_static": {
+                    mode: {name: t / base[mode] for name, t in times.items()} for mode, times in timing.items()
+                },
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
