@@ -2,16 +2,38 @@
 
 Shape alphabet used throughout: L layers, B batch rows, H kv heads, T new tokens,
 S cached tokens or capacity, D head dim.
+
+The core (``jaxkv.cache``, ``jaxkv.blockwise``, ``jaxkv.sampling``) depends on jax only.
+Generation and models need flax (``pip install jaxkv[models]``); they are imported lazily
+so that ``import jaxkv`` works with jax alone.
 """
 
 from jaxkv.cache import INVALID, OVERFLOW, CacheError, DynamicCache, StaticCache
+from jaxkv.sampling import SamplingConfig
 
 __all__ = [
-    "CacheError",
-    "DynamicCache",
     "INVALID",
     "OVERFLOW",
+    "CacheError",
+    "DynamicCache",
+    "GenerateOutput",
+    "SamplingConfig",
     "StaticCache",
+    "generate",
+    "stream",
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = {"generate": "generate", "stream": "stream", "GenerateOutput": "GenerateOutput"}
+
+
+def __getattr__(name):
+    # flax is imported only when generation is first used: the core stays jax-only.
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module("jaxkv.generation"), _LAZY[name])
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")

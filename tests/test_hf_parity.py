@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from jaxkv.generate import generate  # noqa: E402
+from jaxkv.generation import generate  # noqa: E402
 from jaxkv.models import CheckpointError, from_pretrained  # noqa: E402
 
 VOCAB = 128
@@ -94,7 +94,7 @@ def test_greedy_tokens_match_transformers_generate(family):
     ids = _prompts(3, 9, seed=1)  # the ragged test's shape: one compilation serves both
     with torch.no_grad():
         ref = hf.generate(torch.tensor(ids), max_new_tokens=32, do_sample=False).numpy()[:, 9:]
-    got = np.asarray(generate(loaded.model, ids, 32))
+    got = np.asarray(generate(loaded.model, ids, 32).tokens)
     np.testing.assert_array_equal(got, ref)
 
 
@@ -104,7 +104,7 @@ def test_ragged_batch_matches_each_prompt_alone_in_transformers(family):
     ids = _prompts(3, 9, seed=2)
     for b, n in enumerate(lengths):
         ids[b, n:] = VOCAB - 1  # padding after the prompt: must be ignored
-    got = np.asarray(generate(loaded.model, ids, 32, prompt_lengths=lengths))
+    got = np.asarray(generate(loaded.model, ids, 32, prompt_lengths=lengths).tokens)
     for b, n in enumerate(lengths):
         with torch.no_grad():
             alone = hf.generate(torch.tensor(ids[b : b + 1, :n]), max_new_tokens=32, do_sample=False).numpy()

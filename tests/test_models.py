@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxkv import DynamicCache, StaticCache
-from jaxkv.generate import _generate, decode_step, generate, prefill
+from jaxkv.generation import _generate, decode_step, generate, prefill
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.models.llama import rope_frequencies
 from jaxkv.nnx import KVAttention, token_positions
@@ -158,10 +158,10 @@ def test_generate_greedy_ragged_equals_alone_and_compiles_once():
     padded = np.zeros((2, 5), np.int32)
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p
-    together = generate(model, padded, 6, prompt_lengths=np.array([5, 2]))
+    together = generate(model, padded, 6, prompt_lengths=np.array([5, 2])).tokens
     assert together.shape == (2, 6) and together.dtype == jnp.int32
     for b, p in enumerate(prompts):
-        np.testing.assert_array_equal(np.asarray(generate(model, p[None], 6))[0], np.asarray(together[b]))
+        np.testing.assert_array_equal(np.asarray(generate(model, p[None], 6).tokens)[0], np.asarray(together[b]))
     # Greedy reference: extend the sequence and rerun the full uncached forward each step.
     seq = prompts[0][None]
     for _ in range(6):
@@ -169,7 +169,7 @@ def test_generate_greedy_ragged_equals_alone_and_compiles_once():
     np.testing.assert_array_equal(seq[0, 5:], np.asarray(together[0]))
 
     compiled = _generate._cache_size()
-    again = generate(model, padded[::-1].copy(), 6, prompt_lengths=np.array([2, 5]))
+    again = generate(model, padded[::-1].copy(), 6, prompt_lengths=np.array([2, 5])).tokens
     assert _generate._cache_size() == compiled, "a second call with the same shapes recompiled"
     np.testing.assert_array_equal(np.asarray(again[::-1]), np.asarray(together))
 

@@ -1,0 +1,7 @@
+"""``python -m jaxkv ...`` is the ``jaxkv`` command line."""
+
+import sys
+
+from jaxkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,349 @@
+"""Generation through a StaticCache: one compiled program, or a token stream.
+
+* :func:`generate` runs prefill and the whole decode loop (a ``lax.while_loop``) inside one
+  ``jax.jit``: greedy or sampled (temperature, top-k, top-p, a PRNG key), per-row stop
+  tokens with finished rows frozen (they write nothing more into the cache), ragged
+  prompts without left padding, and prompt lengths bucketed so that a new prompt length
+  usually reuses a compiled program.
+* :func:`stream` yields tokens one step at a time for interactive use: a jitted prefill,
+  then a jitted decode step with the cache donated (updated in place).
+* :func:`prefill`, :func:`decode_step` and :func:`select_token` are the pieces, for
+  writing other loops (beam search, speculative decoding, serving).
+
+The model is any ``nnx.Module`` with ``init_cache(batch_size, max_length, dtype=)`` and
+``__call__(tokens [B, T], cache, num_new) -> (logits [B, T, V], cache)``, such as
+:class:`jaxkv.models.Llama`. Inside jit it travels as ``nnx.split`` halves: the graph
+definition (static, hashable) and the parameter state (a pytree).
+
+Randomness is per row: row ``b`` draws its token at step ``t`` with
+``fold_in(row_keys[b], t)``, so a row's samples do not depend on which other rows share
+its batch (``key`` may be one key, split into B row keys, or B keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.cache import StaticCache
+from jaxkv.sampling import SamplingConfig, greedy, sample
+
+__all__ = [
+    "GenerateOutput",
+    "TokenStream",
+    "bucket_length",
+    "decode_step",
+    "generate",
+    "prefill",
+    "select_token",
+    "stream",
+]
+
+GREEDY = SamplingConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """What :func:`generate` returns.
+
+    Attributes:
+      tokens: int32 [B, N] generated tokens; after a row's stop token, ``pad_token_id``.
+      lengths: int32 [B] tokens each row generated, its stop token included.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+
+
+def bucket_length(prompt_len: int, *, minimum: int = 16) -> int:
+    """The padded prompt length a compiled program is built for: the next power of two."""
+    return max(minimum, 1 << (int(prompt_len) - 1).bit_length())
+
+
+def select_token(
+    logits: jax.Array,  # [B, V]
+    row_keys: jax.Array | None = None,  # [B] keys
+    step: jax.Array | int = 0,
+    sampling: SamplingConfig = GREEDY,
+) -> jax.Array:  # [B] int32
+    """Greedy, or one sample per row with key ``fold_in(row_keys[b], step)``."""
+    if sampling.is_greedy:
+        return greedy(logits)
+
+    def one(row_logits, key):
+        return sample(row_logits[None], jax.random.fold_in(key, step), sampling)[0]
+
+    return jax.vmap(one)(logits, row_keys)
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    input_ids: jax.Array,  # [B, P] int
+    prompt_lengths: jax.Array,  # [B] int
+    cache: StaticCache,
+    row_keys: jax.Array | None = None,
+    sampling: SamplingConfig = GREEDY,
+) -> tuple[jax.Array, StaticCache]:  # ([B] int32, cache)
+    """Writes the prompts into ``cache`` and returns each row's first generated token.
+
+    Row ``b``'s prompt is ``input_ids[b, :prompt_lengths[b]]``; the rest is padding that is
+    neither stored nor attended to.
+    """
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(input_ids, cache, prompt_lengths)  # [B, P, V]
+    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    return select_token(last, row_keys, 0, sampling), cache
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,  # [B] int
+    cache: StaticCache,
+    row_keys: jax.Array | None = None,
+    step: jax.Array | int = 1,
+    sampling: SamplingConfig = GREEDY,
+    active: jax.Array | None = None,  # [B] bool
+) -> tuple[jax.Array, StaticCache]:  # ([B] int32, cache)
+    """Feeds one token per row and picks the next; inactive rows write nothing."""
+    model = nnx.merge(graphdef, state)
+    num_new = None if active is None else active.astype(jnp.int32)
+    logits, cache = model(tokens[:, None], cache, num_new)  # [B, 1, V]
+    return select_token(logits[:, 0], row_keys, step, sampling), cache
+
+
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:  # [B] bool
+    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "sampling", "cache_dtype"))
+def _generate(
+    graphdef, state, input_ids, prompt_lengths, row_keys, stop_ids, pad_id, *, max_new_tokens, capacity, sampling,
+    cache_dtype,
+):
+    model = nnx.merge(graphdef, state)
+    batch = input_ids.shape[0]
+    cache = model.init_cache(batch, capacity, dtype=cache_dtype)
+    first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling)
+    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first, stop_ids)
+    lengths = jnp.ones((batch,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, _, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, last, cache, done, tokens, lengths = carry
+        nxt, cache = decode_step(graphdef, state, last, cache, row_keys, step, sampling, active=~done)
+        nxt = jnp.where(done, pad_id, nxt)
+        tokens = jax.lax.dynamic_update_index_in_dim(tokens, nxt, step, axis=1)
+        lengths = lengths + (~done).astype(jnp.int32)
+        return step + 1, nxt, cache, done | _is_stop(nxt, stop_ids), tokens, lengths
+
+    carry = (jnp.int32(1), first, cache, done, tokens, lengths)
+    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    return tokens, lengths
+
+
+def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket):
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got {list(input_ids.shape)}; "
+            "add a batch axis with input_ids[None]"
+        )
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a Python int >= 1, got {max_new_tokens!r}")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a jaxkv.sampling.SamplingConfig, got {type(sampling).__name__}")
+    batch, prompt_len = input_ids.shape
+    if prompt_lengths is None:
+        prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    prompt_lengths = jnp.asarray(prompt_lengths)
+    if prompt_lengths.shape != (batch,):
+        raise ValueError(f"prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}")
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise TypeError(f"prompt_lengths must be integers, got dtype {prompt_lengths.dtype}")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        host = np.asarray(prompt_lengths)
+        bad = (host < 1) | (host > prompt_len)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(
+                f"prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row needs at least "
+                "one prompt token and at most input_ids.shape[1]"
+            )
+    if not sampling.is_greedy and key is None:
+        raise ValueError("sampling needs a PRNG key: pass key=jax.random.key(seed)")
+    row_keys = None
+    if key is not None:
+        key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
+        else:
+            raise TypeError("key must be a typed PRNG key from jax.random.key(seed) (or B of them)")
+        if row_keys.shape != (batch,):
+            raise ValueError(f"key must be one key or {batch} keys (one per row), got shape {list(row_keys.shape)}")
+    if eos_token_id is None:
+        stop = []
+    elif isinstance(eos_token_id, (int, np.integer)):
+        stop = [int(eos_token_id)]
+    else:
+        stop = [int(t) for t in eos_token_id]
+    # A stop list never matching a real id (-1) keeps the array non-empty for the compare.
+    stop_ids = jnp.asarray(stop or [-1], jnp.int32)
+    padded_len = bucket_length(prompt_len) if bucket else prompt_len
+    ids = input_ids.astype(jnp.int32)
+    if padded_len > prompt_len:
+        ids = jnp.pad(ids, ((0, 0), (0, padded_len - prompt_len)), constant_values=pad_token_id)
+    return ids, prompt_lengths.astype(jnp.int32), row_keys, stop_ids
+
+
+def generate(
+    model: nnx.Module,
+    input_ids: Any,  # [B, P] int
+    max_new_tokens: int,
+    *,
+    prompt_lengths: Any = None,  # [B] int
+    sampling: SamplingConfig = GREEDY,
+    key: jax.Array | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    cache_dtype: Any = None,
+    bucket: bool = True,
+) -> GenerateOutput:
+    """Decodes a batch of (possibly ragged) prompts in one compiled program.
+
+    Prefill and every decode step run through a :class:`jaxkv.StaticCache` inside one
+    ``jax.jit``; the loop is a ``lax.while_loop`` that ends when every row has stopped or
+    N tokens are out. A second call with the same batch size, prompt bucket, N and
+    sampling config compiles nothing.
+
+    Args:
+      model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
+      input_ids: [B, P] prompt token ids. Ragged prompts are right-padded (no left
+        padding): row ``b`` holds its prompt in ``input_ids[b, :prompt_lengths[b]]``.
+      max_new_tokens: N >= 1, tokens to generate per row at most.
+      prompt_lengths: [B] real prompt length of each row, in ``[1, P]``; default P.
+      sampling: :class:`jaxkv.sampling.SamplingConfig`; default greedy.
+      key: a PRNG key (``jax.random.key``), or B keys, one per row. Needed to sample.
+      eos_token_id: stop token(s). A row that emits one is finished: it is frozen (its
+        cache gets no more writes) and its remaining tokens are ``pad_token_id``.
+      pad_token_id: filler after a row's stop token and for prompt bucketing.
+      cache_dtype: key/value storage dtype; default the model's parameter dtype.
+      bucket: pad the prompt axis to the next power of two (>= 16) so that nearby prompt
+        lengths share one compiled program.
+
+    Returns:
+      :class:`GenerateOutput` with ``tokens`` int32 [B, N] and ``lengths`` int32 [B].
+
+    Raises:
+      ValueError: ``input_ids`` not 2-D or empty, ``max_new_tokens < 1``, ``prompt_lengths``
+        of the wrong shape or outside ``[1, P]``, sampling without a key, wrong key count.
+      TypeError: non-integer ids or lengths, a bad sampling config or key.
+
+    Example:
+      >>> out = jaxkv.generate(model, jnp.array([[1, 2, 3], [4, 5, 0]]), 8,  # doctest: +SKIP
+      ...                      prompt_lengths=jnp.array([3, 2]), eos_token_id=0,
+      ...                      sampling=SamplingConfig(temperature=0.8, top_p=0.95),
+      ...                      key=jax.random.key(0))
+      >>> out.tokens, out.lengths                                            # doctest: +SKIP
+    """
+    ids, lengths, row_keys, stop_ids = _prepare(
+        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket
+    )
+    graphdef, state = nnx.split(model)
+    tokens, out_lengths = _generate(
+        graphdef,
+        state,
+        ids,
+        lengths,
+        row_keys,
+        stop_ids,
+        jnp.int32(pad_token_id),
+        max_new_tokens=int(max_new_tokens),
+        capacity=ids.shape[1] + int(max_new_tokens),
+        sampling=sampling,
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+    )
+    return GenerateOutput(tokens=tokens, lengths=out_lengths)
+
+
+_jit_prefill = jax.jit(prefill, static_argnames=("graphdef", "sampling"), donate_argnames="cache")
+_jit_step = jax.jit(decode_step, static_argnames=("graphdef", "sampling"), donate_argnames="cache")
+
+
+class TokenStream:
+    """Iterator over generated tokens, one decode step at a time (see :func:`stream`).
+
+    Each item is a NumPy int32 [B] array: the token each row produced at that step
+    (``pad_token_id`` for rows that already stopped). ``cache`` is the current
+    StaticCache; ``done`` the rows that have stopped.
+    """
+
+    def __init__(self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype):
+        self._graphdef, self._state = nnx.split(model)
+        self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling)
+        batch = ids.shape[0]
+        dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
+        self.cache: StaticCache = model.init_cache(batch, ids.shape[1] + max_new_tokens, dtype=dtype)
+        self.done = np.zeros((batch,), bool)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling = self._args
+        stop = set(np.asarray(stop_ids).tolist())
+        tokens, self.cache = _jit_prefill(self._graphdef, self._state, ids, lengths, self.cache, row_keys, sampling)
+        for step in range(max_new_tokens):
+            if step:
+                active = jnp.asarray(~self.done)
+                tokens, self.cache = _jit_step(
+                    self._graphdef, self._state, tokens, self.cache, row_keys, jnp.int32(step), sampling, active
+                )
+            host = np.asarray(tokens).copy()
+            host[self.done] = pad_id
+            tokens = jnp.asarray(host)
+            self.done = self.done | np.isin(host, list(stop))
+            yield host
+            if self.done.all():
+                return
+
+
+def stream(
+    model: nnx.Module,
+    input_ids: Any,
+    max_new_tokens: int,
+    *,
+    prompt_lengths: Any = None,
+    sampling: SamplingConfig = GREEDY,
+    key: jax.Array | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    cache_dtype: Any = None,
+    bucket: bool = True,
+) -> TokenStream:
+    """Like :func:`generate`, but yields each step's tokens as soon as they exist.
+
+    A jitted prefill, then a jitted decode step whose cache argument is donated, so each
+    step updates the cache in place. Arguments as in :func:`generate`; with the same key
+    the tokens equal ``generate``'s.
+
+    Example:
+      >>> for tokens in jaxkv.stream(model, ids, 32, eos_token_id=0):  # doctest: +SKIP
+      ...     print(tokenizer.decode([int(tokens[0])]), end="", flush=True)
+    """
+    ids, lengths, row_keys, stop_ids = _prepare(
+        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket
+    )
+    return TokenStream(model, ids, lengths, row_keys, stop_ids, int(pad_token_id), int(max_new_tokens), sampling,
+                       cache_dtype)

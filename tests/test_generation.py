@@ -1,0 +1,137 @@
+"""jaxkv.generate / jaxkv.stream: sampling, EOS, bucketing and compile counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.generation import _generate, bucket_length, generate, stream
+from jaxkv.models import Llama, LlamaConfig
+from jaxkv.sampling import SamplingConfig
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(3)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if "weight" in path:  # move norms off their all-ones init so a wrong norm shows
+            var.set_value(var.get_value() + jnp.asarray(0.3 * rng.normal(size=var.get_value().shape), jnp.float32))
+    return model
+
+
+def ragged(rng, lengths):
+    prompts = [rng.integers(1, VOCAB, size=n) for n in lengths]
+    padded = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+    return prompts, padded
+
+
+def greedy_reference(model, prompt, steps):
+    """Re-runs the full uncached forward for every new token."""
+    seq = np.asarray(prompt)[None]
+    for _ in range(steps):
+        logits = model(jnp.asarray(seq, jnp.int32), None)[0]
+        seq = np.concatenate([seq, np.argmax(np.asarray(logits[:, -1:]), -1)], axis=1)
+    return seq[0, len(prompt):]
+
+
+SAMPLED = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
+
+
+def test_greedy_matches_uncached_reference(model):
+    prompts, padded = ragged(np.random.default_rng(0), [6, 3])
+    out = generate(model, padded, 8, prompt_lengths=np.array([6, 3]))
+    assert out.tokens.shape == (2, 8) and out.tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(out.lengths, [8, 8])
+    for b, p in enumerate(prompts):
+        np.testing.assert_array_equal(np.asarray(out.tokens[b]), greedy_reference(model, p, 8))
+
+
+def test_same_key_same_tokens_and_rows_independent_of_batch(model):
+    prompts, padded = ragged(np.random.default_rng(1), [5, 4, 2])
+    keys = jax.random.split(jax.random.key(7), 3)
+    a = generate(model, padded, 10, prompt_lengths=np.array([5, 4, 2]), sampling=SAMPLED, key=keys)
+    b = generate(model, padded, 10, prompt_lengths=np.array([5, 4, 2]), sampling=SAMPLED, key=keys)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    other = generate(model, padded, 10, prompt_lengths=np.array([5, 4, 2]), sampling=SAMPLED, key=jax.random.split(jax.random.key(8), 3))
+    assert (np.asarray(other.tokens) != np.asarray(a.tokens)).any()
+    for row, p in enumerate(prompts):  # a row's samples depend on its key only
+        alone = generate(model, p[None], 10, sampling=SAMPLED, key=keys[row : row + 1])
+        np.testing.assert_array_equal(alone.tokens[0], a.tokens[row])
+
+
+def test_top_k_one_and_tiny_temperature_equal_greedy(model):
+    _, padded = ragged(np.random.default_rng(2), [4, 4])
+    want = generate(model, padded, 8).tokens
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(generate(model, padded, 8, sampling=SamplingConfig(temperature=1.0, top_k=1), key=key).tokens, want)
+    np.testing.assert_array_equal(generate(model, padded, 8, sampling=SamplingConfig(temperature=1e-6), key=key).tokens, want)
+
+
+def test_eos_freezes_a_row_and_equals_running_rows_alone(model):
+    prompts, padded = ragged(np.random.default_rng(4), [5, 3])
+    free = np.asarray(generate(model, padded, 12, prompt_lengths=np.array([5, 3])).tokens)
+    eos = int(free[0, 3])  # row 0 emits it at step 3 (maybe earlier too)
+    stop_at = int(np.argmax(free[0] == eos))
+    out = generate(model, padded, 12, prompt_lengths=np.array([5, 3]), eos_token_id=eos, pad_token_id=VOCAB - 1)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert lengths[0] == stop_at + 1
+    np.testing.assert_array_equal(tokens[0, : stop_at + 1], free[0, : stop_at + 1])
+    assert (tokens[0, stop_at + 1 :] == VOCAB - 1).all()  # frozen: padding after the stop token
+    for row, p in enumerate(prompts):
+        alone = generate(model, p[None], 12, eos_token_id=eos, pad_token_id=VOCAB - 1)
+        np.testing.assert_array_equal(alone.tokens[0], tokens[row])
+        assert int(alone.lengths[0]) == lengths[row]
+    # The other row went on decoding past row 0's stop.
+    assert lengths[1] > lengths[0] or eos in free[1, : lengths[0]]
+
+
+def test_new_prompt_length_in_same_bucket_compiles_nothing(model):
+    assert bucket_length(5) == bucket_length(9) == 16 and bucket_length(17) == 32
+    rng = np.random.default_rng(5)
+    generate(model, rng.integers(1, VOCAB, size=(2, 5)), 6)
+    compiled = _generate._cache_size()
+    out = generate(model, rng.integers(1, VOCAB, size=(2, 9)), 6)  # new length, same bucket
+    assert _generate._cache_size() == compiled
+    generate(model, rng.integers(1, VOCAB, size=(2, 7)), 6, prompt_lengths=np.array([7, 1]))
+    assert _generate._cache_size() == compiled
+    assert out.tokens.shape == (2, 6)
+
+
+def test_stream_equals_generate_and_donates(model):
+    prompts, padded = ragged(np.random.default_rng(6), [4, 2])
+    key = jax.random.key(11)
+    want = generate(model, padded, 9, prompt_lengths=np.array([4, 2]), sampling=SAMPLED, key=key, eos_token_id=5)
+    s = stream(model, padded, 9, prompt_lengths=np.array([4, 2]), sampling=SAMPLED, key=key, eos_token_id=5)
+    it = iter(s)
+    steps = [next(it)]
+    previous = s.cache
+    for tokens in it:
+        assert previous.keys.is_deleted()  # the decode step donated the cache
+        previous = s.cache
+        steps.append(tokens)
+    got = np.stack(steps, axis=1)
+    n = got.shape[1]
+    np.testing.assert_array_equal(got, np.asarray(want.tokens)[:, :n])
+    assert n == int(np.max(want.lengths)) > 1
+    # Each row stored its prompt and every fed-back token up to its stop.
+    np.testing.assert_array_equal(s.cache.seq_lengths(0), np.array([4, 2]) + np.asarray(want.lengths) - 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(sampling=SAMPLED), ValueError, "sampling needs a PRNG key"),
+        (dict(sampling=SAMPLED, key=jax.random.split(jax.random.key(0), 3)), ValueError, "one key or 2 keys"),
+        (dict(sampling=SAMPLED, key=np.array([0, 1], np.uint32)), TypeError, "typed PRNG key"),
+        (dict(sampling="greedy"), TypeError, "SamplingConfig"),
+    ],
+)
+def test_generate_bad_sampling_inputs(model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        generate(model, np.ones((2, 3), np.int32), 4, **kwargs)
