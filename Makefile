@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_BASE := $(VENV)/.stamp-base
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-caches test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +19,20 @@ $(STAMP_TEST): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $@ $(STAMP_BASE)
 
+# The main job on the embedded default model: stream Python-like text, then a summary line.
 demo: $(STAMP_BASE)
+	$(PY) -m jaxkv generate "def fibonacci(" --max-new-tokens 120
+
+# The cache vocabulary by hand (no model).
+demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
 test: $(STAMP_TEST)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q tests --nbmake notebooks
 
 bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_update.py
+	$(PY) benchmarks/bench_attention.py
 
 clean:
 	rm -rf $(VENV)
