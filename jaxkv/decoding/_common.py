@@ -1,0 +1,108 @@
+"""Pieces the decoding algorithms share: model forward inside jit, prompt checks, sampling.
+
+Shape letters: B batch, T new tokens, P prompt length, V vocabulary, N new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.cache import StaticCache
+from jaxkv.sampling import SamplingConfig, top_k_filter, top_p_filter
+
+
+def forward(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,  # [B, T] int32
+    cache: StaticCache,
+    num_new: jax.Array | None = None,  # [B] int32
+) -> tuple[jax.Array, StaticCache]:  # (logits [B, T, V] float32, cache)
+    """Runs the model (given as ``nnx.split`` halves) over ``tokens``; logits in float32."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens, cache, num_new)
+    return logits.astype(jnp.float32), cache
+
+
+def logits_at(logits: jax.Array, index: jax.Array) -> jax.Array:  # [B, T, V], [B] -> [B, V]
+    """Row ``b``'s logits at token ``index[b]`` (clipped into ``[0, T)``)."""
+    index = jnp.clip(index, 0, logits.shape[1] - 1)
+    return jnp.take_along_axis(logits, index[:, None, None], axis=1)[:, 0]
+
+
+def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # [..., V] -> [..., V]
+    """Temperature, then top-k, then top-p: the distribution ``sampling.sample`` draws from.
+
+    Excluded tokens get ``-inf``; ``softmax`` of the result is the sampling distribution.
+    Greedy configs are not a distribution; callers handle them separately.
+    """
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1]).astype(jnp.float32) / config.temperature
+    if config.top_k:
+        flat = top_k_filter(flat, config.top_k)
+    if config.top_p is not None:
+        flat = top_p_filter(flat, config.top_p)
+    return flat.reshape(shape)
+
+
+def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Array, jax.Array]:
+    """Validates ``[B, P]`` prompts and ``[B]`` lengths; returns both as int32 arrays.
+
+    Raises:
+        ValueError: ``input_ids`` not 2-D or empty, lengths of the wrong shape or outside
+            ``[1, P]``.
+        TypeError: non-integer ids or lengths.
+    """
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"{who}: input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got "
+            f"{list(input_ids.shape)}; add a batch axis with input_ids[None]"
+        )
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"{who}: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    batch, prompt_len = input_ids.shape
+    if prompt_lengths is None:
+        prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    prompt_lengths = jnp.asarray(prompt_lengths)
+    if prompt_lengths.shape != (batch,):
+        raise ValueError(
+            f"{who}: prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}"
+        )
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise TypeError(f"{who}: prompt_lengths must be integers, got dtype {prompt_lengths.dtype}")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        host = np.asarray(prompt_lengths)
+        bad = (host < 1) | (host > prompt_len)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(
+                f"{who}: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row "
+                "needs at least one prompt token and at most input_ids.shape[1]"
+            )
+    return input_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+
+
+def check_positive_int(value: Any, name: str, who: str) -> int:
+    """``value`` as a Python int >= 1, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{who}: {name} must be a Python int >= 1, got {value!r}")
+    return int(value)
+
+
+def check_token_id(value: Any, name: str, vocab_size: int, who: str) -> int | None:
+    """``None`` or a token id in ``[0, vocab_size)`` as a Python int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
+        raise ValueError(f"{who}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
+    return int(value)
+
+
+def vocab_size(model: nnx.Module) -> int:
+    return int(model.config.vocab_size)

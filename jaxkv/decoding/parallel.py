@@ -1,0 +1,142 @@
+"""Parallel sampling: ``num_return_sequences`` samples per prompt from one prefill.
+
+The prompts are run through the model once (``[B, P]`` tokens); the prefilled cache is then
+fanned out with ``batch_repeat_interleave(n)`` so sample ``j`` of prompt ``b`` lives in row
+``b * n + j``, and a ``lax.scan`` of sampling steps decodes all ``B * n`` rows together.
+Compared with running the ``n`` samples as separate prompts, the prompt's forward pass
+(usually the expensive part for long prompts) is paid once instead of ``n`` times.
+
+Randomness is per row: sample ``(b, j)`` draws its ``t``-th token with
+``jax.random.fold_in(keys[b, j], t)``, so it does not depend on the batch it runs in:
+``num_return_sequences=n`` with ``keys`` gives exactly the samples of ``n`` separate calls
+with ``num_return_sequences=1`` and ``keys[:, j:j+1]``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.decoding._common import check_positive_int, check_prompts, check_token_id, forward, logits_at
+from jaxkv.sampling import SamplingConfig, sample
+
+__all__ = ["sample_keys", "sample_n"]
+
+
+def sample_keys(key: jax.Array, batch_size: int, num_return_sequences: int) -> jax.Array:
+    """The per-sample keys ``sample_n`` derives from one key: ``[B, n]`` typed keys."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jax.random.split(key, batch_size * num_return_sequences).reshape(batch_size, num_return_sequences)
+
+
+def _sample_rows(logits, keys, step, config):  # [R, V], [R] keys, scalar -> [R]
+    def one(row_logits, key):
+        return sample(row_logits[None], jax.random.fold_in(key, step), config)[0]
+
+    return jax.vmap(one)(logits, keys)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype"))
+def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_tokens, config, eos_token_id, pad_token_id, cache_dtype):
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = input_ids.shape
+    n = keys.shape[1]
+    # The last sampled token is never fed back, so it needs no slot.
+    cache = model.init_cache(batch, prompt_len + max_new_tokens - 1, dtype=cache_dtype)
+    logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
+    logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), n, axis=0)  # [B*n, V]
+    cache = cache.batch_repeat_interleave(n)
+    keys = keys.reshape(-1)
+    first = _sample_rows(logits, keys, 0, config)
+    done = jnp.zeros_like(first, bool) if eos_token_id is None else first == eos_token_id
+
+    def step(carry, t):
+        tokens, done, cache = carry
+        logits, cache = forward(graphdef, state, tokens[:, None], cache)
+        nxt = _sample_rows(logits[:, 0], keys, t, config)
+        nxt = jnp.where(done, pad_token_id, nxt)
+        if eos_token_id is not None:
+            done = done | (nxt == eos_token_id)
+        return (nxt, done, cache), nxt
+
+    steps = jnp.arange(1, max_new_tokens, dtype=jnp.int32)
+    _, rest = jax.lax.scan(step, (first, done, cache), steps)  # [N-1, B*n]
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
+    return tokens.reshape(batch, n, max_new_tokens)
+
+
+def sample_n(
+    model: nnx.Module,
+    input_ids: Any,  # [B, P] int
+    max_new_tokens: int,
+    *,
+    num_return_sequences: int,
+    key: jax.Array | None = None,
+    keys: jax.Array | None = None,  # [B, n] typed keys
+    config: SamplingConfig = SamplingConfig(temperature=1.0),
+    prompt_lengths: Any = None,  # [B] int
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+    cache_dtype: Any = None,
+) -> jax.Array:  # [B, n, N] int32
+    """Draws ``num_return_sequences`` samples per prompt, prefilling each prompt once.
+
+    Args:
+        model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
+        input_ids: [B, P] prompts, right-padded when ragged.
+        max_new_tokens: N >= 1 tokens per sample.
+        num_return_sequences: n >= 1 samples per prompt.
+        key: one PRNG key; the per-sample keys are ``sample_keys(key, B, n)``.
+        keys: or the per-sample keys themselves, [B, n] (exactly one of key/keys).
+        config: temperature / top-k / top-p (:class:`jaxkv.sampling.SamplingConfig`).
+        prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
+        eos_token_id: if set, a sample stops at its EOS (kept) and is padded after it.
+        pad_token_id: the padding token after an EOS.
+        cache_dtype: key/value storage dtype; default the model's parameter dtype.
+
+    Returns:
+        int32 [B, n, N]: ``out[b, j]`` is sample ``j`` of prompt ``b``.
+
+    Raises:
+        ValueError: bad sizes, keys, token ids or prompts.
+
+    Example:
+        >>> out = sample_n(model, jnp.array([[5, 6, 7]]), 32, num_return_sequences=8,  # doctest: +SKIP
+        ...                key=jax.random.key(0), config=SamplingConfig(temperature=0.8, top_p=0.95))
+        >>> out.shape                                                                   # doctest: +SKIP
+        (1, 8, 32)
+    """
+    who = "sample_n"
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    n_tokens = check_positive_int(max_new_tokens, "max_new_tokens", who)
+    n = check_positive_int(num_return_sequences, "num_return_sequences", who)
+    batch = input_ids.shape[0]
+    if (key is None) == (keys is None):
+        raise ValueError(f"{who}: pass exactly one of key (one PRNG key) or keys ([batch, n] keys)")
+    if keys is None:
+        keys = sample_keys(key, batch, n)
+    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{who}: keys must be typed PRNG keys (jax.random.key / split), got dtype {keys.dtype}")
+    if keys.shape != (batch, n):
+        raise ValueError(f"{who}: keys must have shape [batch, num_return_sequences] = [{batch}, {n}], got {list(keys.shape)}")
+    vocab = model.config.vocab_size
+    eos = check_token_id(eos_token_id, "eos_token_id", vocab, who)
+    pad = check_token_id(pad_token_id, "pad_token_id", vocab, who)
+    graphdef, state = nnx.split(model)
+    return _sample_n(
+        graphdef,
+        state,
+        input_ids,
+        prompt_lengths,
+        keys,
+        max_new_tokens=n_tokens,
+        config=config,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+    )
