@@ -15,10 +15,13 @@ S slots, C chunk size.
 
 from jaxkv.decoding.beam import BeamSearchOutput, beam_search
 from jaxkv.decoding.parallel import sample_keys, sample_n
+from jaxkv.decoding.speculative import SpeculativeOutput, speculative_generate
 
 __all__ = [
     "BeamSearchOutput",
+    "SpeculativeOutput",
     "beam_search",
     "sample_keys",
     "sample_n",
+    "speculative_generate",
 ]

@@ -1,0 +1,276 @@
+"""Speculative decoding: a small draft model proposes, the target model verifies.
+
+Each round, per row:
+
+1. the draft proposes ``k`` tokens ``d_1..d_k``, one cheap forward each;
+2. the target runs ``[last, d_1, .., d_k]`` in **one** ``k + 1``-token forward, which gives
+   its distribution after every proposed prefix;
+3. the longest acceptable prefix ``d_1..d_a`` is kept, plus one token from the target at
+   position ``a`` (a correction if ``a < k``, a free "bonus" token if ``a == k``): every
+   round emits ``a + 1 >= 1`` tokens;
+4. rejected tokens are rolled back with ``StaticCache.crop(int32[B])``: each row keeps its
+   own number of tokens and no data moves; the next round overwrites the stale slots.
+
+Rows accept different counts, so rows drift apart in length; the per-row ``lengths`` of the
+cache make that free. Rows that have their ``max_new_tokens`` pass ``num_new = 0`` and
+stop writing while the others finish.
+
+Acceptance:
+
+* greedy (``config.is_greedy``): ``d_i`` is accepted while it equals the target's argmax,
+  so the output is exactly the target's greedy output (up to float rounding of the
+  different matmul shapes deciding a near-tie);
+* sampling: ``d_i ~ q_i`` is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; at
+  the first rejection the token is drawn from ``max(0, p_i - q_i)`` renormalised; after
+  ``k`` acceptances the bonus token is drawn from ``p_{k+1}``. ``p`` and ``q`` are the
+  target's and draft's distributions after the same temperature / top-k / top-p. This
+  rule makes every emitted token exactly distributed as the target's sampling
+  distribution (Leviathan et al. 2023, Chen et al. 2023).
+
+The draft cache trails the target cache by design: it never holds ``d_k`` when all ``k``
+tokens were accepted (the draft never fed it). The next round then feeds the draft two
+tokens, ``[d_k, last]``, with ``num_new = 2`` for those rows and 1 for the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.decoding._common import check_positive_int, check_prompts, filtered_logits, forward, logits_at
+from jaxkv.sampling import SamplingConfig, greedy
+
+__all__ = ["SpeculativeOutput", "speculative_generate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput:
+    """What :func:`speculative_generate` returns.
+
+    Attributes:
+        tokens: int32 [B, N] generated tokens.
+        accepted: int32 [B] draft tokens accepted per row, over all rounds.
+        rounds: int32 [B] verification rounds (target forwards) each row took.
+        num_draft_tokens: k, draft tokens proposed per round.
+    """
+
+    tokens: jax.Array
+    accepted: jax.Array
+    rounds: jax.Array
+    num_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens over the whole batch."""
+        return float(jnp.sum(self.accepted) / jnp.maximum(jnp.sum(self.rounds) * self.num_draft_tokens, 1))
+
+
+jax.tree_util.register_dataclass(
+    SpeculativeOutput, data_fields=["tokens", "accepted", "rounds"], meta_fields=["num_draft_tokens"]
+)
+
+
+def _leading_true(x: jax.Array) -> jax.Array:  # [B, k] bool -> [B] int32
+    return jnp.sum(jnp.cumprod(x.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("target_graphdef", "draft_graphdef", "max_new_tokens", "num_draft_tokens", "config", "cache_dtype"),
+)
+def _speculative(
+    target_graphdef, target_state, draft_graphdef, draft_state, input_ids, prompt_lengths, key, *,
+    max_new_tokens, num_draft_tokens, config, cache_dtype,
+):
+    target = nnx.merge(target_graphdef, target_state)
+    draft = nnx.merge(draft_graphdef, draft_state)
+    batch, prompt_len = input_ids.shape
+    n, k = max_new_tokens, num_draft_tokens
+    rows = jnp.arange(batch)
+    greedy_mode = config.is_greedy
+    # An unfinished row holds < n tokens, all but the last in the cache, and writes k + 1.
+    capacity = prompt_len + n + k
+    t_cache = target.init_cache(batch, capacity, dtype=cache_dtype)
+    d_cache = draft.init_cache(batch, capacity, dtype=cache_dtype)
+    t_logits, t_cache = forward(target_graphdef, target_state, input_ids, t_cache, prompt_lengths)
+    _, d_cache = forward(draft_graphdef, draft_state, input_ids, d_cache, prompt_lengths)
+    t_logits = logits_at(t_logits, prompt_lengths - 1)
+    key, first_key = jax.random.split(key)
+    if greedy_mode:
+        first = greedy(t_logits)
+    else:
+        first = jax.random.categorical(first_key, filtered_logits(t_logits, config), axis=-1).astype(jnp.int32)
+
+    # Room for a full round past n, so writes never need clipping.
+    out = jnp.zeros((batch, n + k + 1), jnp.int32).at[:, 0].set(first)
+    carry = dict(
+        t_cache=t_cache,
+        d_cache=d_cache,
+        out=out,
+        count=jnp.ones((batch,), jnp.int32),  # tokens generated per row
+        last=first,  # the newest token: generated, not yet in either cache
+        backlog=jnp.zeros((batch,), bool),  # the draft cache also lacks the token before `last`
+        backlog_token=first,
+        accepted=jnp.zeros((batch,), jnp.int32),
+        rounds=jnp.zeros((batch,), jnp.int32),
+        key=key,
+    )
+
+    def cond(c):
+        return jnp.any(c["count"] < n)
+
+    def body(c):
+        active = c["count"] < n
+        key, draft_key, accept_key, final_key = jax.random.split(c["key"], 4)
+        draft_keys = jax.random.split(draft_key, k)
+        t_len = c["t_cache"].seq_lengths(0)  # = prompt + count - 1 for every row
+
+        # 1. Draft k tokens. The first forward also catches up on a backlog token.
+        two = jnp.where(c["backlog"][:, None], jnp.stack([c["backlog_token"], c["last"]], 1), c["last"][:, None])
+        num_new = jnp.where(active, 1 + c["backlog"].astype(jnp.int32), 0)
+        d_logits, d_cache = forward(draft_graphdef, draft_state, two, c["d_cache"], num_new)
+        d_logits = logits_at(d_logits, num_new - 1)
+        proposals, q_logits = [], []
+        for i in range(k):
+            if greedy_mode:
+                token = greedy(d_logits)
+            else:
+                q = filtered_logits(d_logits, config)
+                q_logits.append(q)
+                token = jax.random.categorical(draft_keys[i], q, axis=-1).astype(jnp.int32)
+            proposals.append(token)
+            if i + 1 < k:  # d_k is verified but never fed to the draft
+                d_logits, d_cache = forward(
+                    draft_graphdef, draft_state, token[:, None], d_cache, active.astype(jnp.int32)
+                )
+                d_logits = d_logits[:, 0]
+        proposals = jnp.stack(proposals, axis=1)  # [B, k]
+
+        # 2. Verify all of them in one target forward.
+        verify = jnp.concatenate([c["last"][:, None], proposals], axis=1)  # [B, k + 1]
+        p_logits, t_cache = forward(
+            target_graphdef, target_state, verify, c["t_cache"], jnp.where(active, k + 1, 0)
+        )  # [B, k + 1, V]
+
+        # 3. Accept a prefix, then one token from the target.
+        if greedy_mode:
+            target_tokens = greedy(p_logits.reshape(batch * (k + 1), -1)).reshape(batch, k + 1)
+            num_accepted = _leading_true(proposals == target_tokens[:, :k])
+            final = target_tokens[rows, num_accepted]
+        else:
+            p = jax.nn.softmax(filtered_logits(p_logits, config), axis=-1)  # [B, k + 1, V]
+            q = jax.nn.softmax(jnp.stack(q_logits, axis=1), axis=-1)  # [B, k, V]
+            p_d = jnp.take_along_axis(p[:, :k], proposals[:, :, None], axis=2)[:, :, 0]
+            q_d = jnp.take_along_axis(q, proposals[:, :, None], axis=2)[:, :, 0]
+            u = jax.random.uniform(accept_key, (batch, k))
+            num_accepted = _leading_true(u * q_d < p_d)  # u < p/q without dividing by q
+            p_at = p[rows, num_accepted]  # [B, V]
+            q_at = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, num_accepted]  # 0 after k accepts
+            residual = jnp.maximum(p_at - q_at, 0.0)
+            mass = jnp.sum(residual, axis=-1, keepdims=True)
+            # p == q at the rejected position has zero residual mass but then rejection had
+            # probability 0; fall back to p there so rounding can never produce NaN.
+            dist = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
+            final = jax.random.categorical(final_key, jnp.log(dist), axis=-1).astype(jnp.int32)
+
+        # Emit d_1..d_a, then `final`, at each active row's next slots.
+        j = jnp.arange(k + 1)
+        emitted = jnp.where(j[None, :] < num_accepted[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), final[:, None])
+        write = active[:, None] & (j[None, :] <= num_accepted[:, None])
+        slots = jnp.where(write, c["count"][:, None] + j[None, :], n + k + 1)  # out of range: dropped
+        out = c["out"].at[rows[:, None], slots].set(emitted, mode="drop")
+
+        # 4. Roll back the rejected tokens, per row, without moving data.
+        keep = jnp.where(active, t_len + num_accepted + 1, t_len)
+        t_cache = t_cache.crop(keep)
+        d_cache = d_cache.crop(jnp.where(active, t_len + jnp.minimum(num_accepted + 1, k), d_cache.seq_lengths(0)))
+        backlog = jnp.where(active, num_accepted == k, c["backlog"])
+        return dict(
+            t_cache=t_cache,
+            d_cache=d_cache,
+            out=out,
+            count=c["count"] + jnp.where(active, num_accepted + 1, 0),
+            last=jnp.where(active, final, c["last"]),
+            backlog=backlog,
+            backlog_token=jnp.where(active, proposals[:, k - 1], c["backlog_token"]),
+            accepted=c["accepted"] + jnp.where(active, num_accepted, 0),
+            rounds=c["rounds"] + active.astype(jnp.int32),
+            key=key,
+        )
+
+    c = jax.lax.while_loop(cond, body, carry)
+    return c["out"][:, :n], c["accepted"], c["rounds"]
+
+
+def speculative_generate(
+    target: nnx.Module,
+    draft: nnx.Module,
+    input_ids: Any,  # [B, P] int
+    max_new_tokens: int,
+    *,
+    num_draft_tokens: int = 4,
+    config: SamplingConfig = SamplingConfig(),
+    key: jax.Array | None = None,
+    prompt_lengths: Any = None,  # [B] int
+    cache_dtype: Any = None,
+) -> SpeculativeOutput:
+    """Generates with ``target``, drafting ``num_draft_tokens`` at a time with ``draft``.
+
+    Args:
+        target: the model whose output distribution is produced (e.g. the larger model).
+        draft: a cheaper model with the same vocabulary (same tokenizer).
+        input_ids: [B, P] prompts, right-padded when ragged.
+        max_new_tokens: N >= 1 tokens per row.
+        num_draft_tokens: k >= 1 tokens proposed per round.
+        config: greedy by default (output == the target's greedy output); with a
+            temperature, samples from the target's distribution (see module docstring).
+        key: PRNG key, required when sampling.
+        prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
+        cache_dtype: key/value storage dtype of both caches; default each model's dtype.
+
+    Returns:
+        :class:`SpeculativeOutput`: ``tokens`` [B, N] and acceptance statistics.
+
+    Raises:
+        ValueError: bad sizes or prompts, vocabularies that differ, no key when sampling.
+
+    Example:
+        >>> out = speculative_generate(target, draft, ids, 64, num_draft_tokens=4)  # doctest: +SKIP
+        >>> out.tokens.shape, out.acceptance_rate                                   # doctest: +SKIP
+    """
+    who = "speculative_generate"
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    n = check_positive_int(max_new_tokens, "max_new_tokens", who)
+    k = check_positive_int(num_draft_tokens, "num_draft_tokens", who)
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(
+            f"{who}: target and draft vocabularies differ ({target.config.vocab_size} vs "
+            f"{draft.config.vocab_size}); the draft must share the target's tokenizer"
+        )
+    if key is None:
+        if not config.is_greedy:
+            raise ValueError(f"{who}: sampling (temperature > 0) needs a key, e.g. key=jax.random.key(0)")
+        key = jax.random.key(0)
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    t_graphdef, t_state = nnx.split(target)
+    d_graphdef, d_state = nnx.split(draft)
+    tokens, accepted, rounds = _speculative(
+        t_graphdef,
+        t_state,
+        d_graphdef,
+        d_state,
+        input_ids,
+        prompt_lengths,
+        key,
+        max_new_tokens=n,
+        num_draft_tokens=k,
+        config=config,
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+    )
+    return SpeculativeOutput(tokens, accepted, rounds, k)
