@@ -11,8 +11,14 @@ layer over what the layer returns ("update + attend": a sliding layer reads its 
 quantized layer dequantizes its whole capacity). Median of repeated calls, all in this one
 run; the ratio is kind time / StaticCache time (lower: faster).
 
+Quality (``--quality-tokens N``, default 256): the embedded model (jaxkv/_assets/pycoder)
+generates N greedy tokens through a float32 StaticCache; each quantized cache then reads
+the same tokens (teacher forcing) and we report the largest logit error relative to the
+largest float logit, the share of steps whose argmax equals the float run's token, and,
+decoding freely, how many tokens agree before the first divergence.
+
     python benchmarks/bench_cache_kinds.py [--capacity 2048] [--repeats 20]
-        [--json benchmarks/results/cache_kinds.json]
+        [--quality-tokens 256] [--json benchmarks/results/cache_kinds.json]
 """
 
 from __future__ import annotations
@@ -105,10 +111,75 @@ def step_time(
     return time_calls(call, repeats=repeats)
 
 
+def _route_model_attention_through_update_and_attend() -> None:
+    """Lets the Llama model take every cache kind: its attention goes through
+    ``update_and_attend`` and its positions through ``cache.positions``. This is the change
+    proposed for jaxkv.attention (``cache_attention`` / ``token_positions``); until it is
+    in, the benchmark installs it here."""
+    import jaxkv.models.llama as llama
+    import jaxkv.nnx as jnnx
+
+    original = llama.token_positions
+
+    def positions(cache, batch, num_tokens):
+        return cache.positions(num_tokens) if hasattr(cache, "update_view") else original(cache, batch, num_tokens)
+
+    llama.token_positions = positions
+    jnnx.cache_attention = update_and_attend
+
+
+def quality(num_tokens: int) -> dict:
+    from flax import nnx
+
+    import jaxkv
+    from jaxkv.models import from_pretrained
+
+    _route_model_attention_through_update_and_attend()
+    loaded = from_pretrained(str(Path(jaxkv.__file__).parent / "_assets" / "pycoder"))
+    model, config = loaded.model, loaded.config
+    prompt = np.asarray([loaded.tokenizer.encode("def fibonacci(n):\n").ids], np.int32)
+    capacity = prompt.shape[1] + num_tokens
+    sizes = dict(num_layers=config.num_layers, batch_size=1, num_kv_heads=config.num_kv_heads,
+                 head_dim=config.head_dim, max_length=capacity)
+
+    @nnx.jit
+    def step(model, tokens, cache):
+        logits, cache = model(tokens, cache)
+        return logits[:, -1], cache
+
+    def run(cache, forced=None):
+        """Logits [N, V] and tokens [N]: greedy, or reading `forced` tokens."""
+        logits, cache = step(model, jnp.asarray(prompt), cache)
+        all_logits, tokens = [np.asarray(logits[0])], [int(jnp.argmax(logits[0]))]
+        for i in range(num_tokens - 1):
+            feed = tokens[-1] if forced is None else int(forced[i])
+            logits, cache = step(model, jnp.asarray([[feed]], jnp.int32), cache)
+            all_logits.append(np.asarray(logits[0]))
+            tokens.append(int(jnp.argmax(logits[0])))
+        return np.stack(all_logits), np.asarray(tokens)
+
+    ref_logits, ref_tokens = run(StaticCache.init(**sizes))
+    results = {}
+    for name, kwargs in {
+        "int8": dict(bits=8), "int4": dict(bits=4),
+        "int8 + residual 32": dict(bits=8, residual_length=32), "int4 + residual 32": dict(bits=4, residual_length=32),
+    }.items():
+        logits, tokens = run(QuantizedCache.init(**sizes, **kwargs), forced=ref_tokens)
+        _, free = run(QuantizedCache.init(**sizes, **kwargs))
+        diverged = np.flatnonzero(free != ref_tokens)
+        results[name] = {
+            "max_rel_logit_error": float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()),
+            "argmax_agreement": float((tokens == ref_tokens).mean()),
+            "free_run_tokens_before_divergence": int(diverged[0]) if diverged.size else num_tokens,
+        }
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quality-tokens", type=int, default=256)
     parser.add_argument("--json", default="benchmarks/results/cache_kinds.json")
     args = parser.parse_args()
 
@@ -148,11 +219,23 @@ def main() -> None:
             for name in makers
         ],
     )
+    tokens = args.quality_tokens
+    quality_results = quality(tokens)
+    print(f"\nquality: embedded model, {tokens} greedy tokens, quantized cache vs float32 StaticCache")
+    print_table(
+        ["kind", "max |logit error| / max |logit|", "argmax agreement (teacher-forced)", "free run: tokens before divergence"],
+        [
+            [name, f"{r['max_rel_logit_error']:.4f}", f"{r['argmax_agreement']:.3f}",
+             f"{r['free_run_tokens_before_divergence']} / {tokens}"]
+            for name, r in quality_results.items()
+        ],
+    )
     write_json(
         args.json,
         {
             "machine": machine(),
             "memory": memory,
+            "quality": {"model": "jaxkv/_assets/pycoder", "tokens": tokens, "results": quality_results},
             "decode_step": {
                 "config": {**shape, "dtype": "float32", "capacity": args.capacity, "fill": fill, "window": window},
                 "seconds": timing,

@@ -18,7 +18,8 @@ from jaxkv.hybrid import FULL, SLIDING, HybridCache, layer_types_from_config, up
 from jaxkv.quantized import QuantizedCache
 from jaxkv.sliding import NO_POSITION, SlidingWindowCache
 from reference import ReferenceCache
-from test_sliding import SlidingReference, attend_view, band_attention
+from test_sliding import SlidingReference, band_attention, greedy, hf_greedy, hf_tiny
+from test_sliding import model_takes_cache_kinds  # noqa: F401  (a fixture)
 from test_sliding import assert_matches as assert_sliding_matches
 
 TYPES = (SLIDING, FULL, SLIDING, FULL)
@@ -379,3 +380,23 @@ def test_all_full_or_all_sliding():
     assert sliding.full is None and sliding.get_max_length() is None
     sliding, _, _ = sliding.update(K2, K2, 0)
     assert sliding.reorder_cache(jnp.array([1, 0])).get_seq_length() == 2
+
+
+# ------------------------------------------------------------- model integration (HF)
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
+def test_qwen_hybrid_greedy_tokens_equal_transformers(family, model_takes_cache_kinds, tmp_path):  # noqa: F811
+    """Layer 0 full, layers 1-2 sliding (window 6): 48 greedy tokens as transformers."""
+    pytest.importorskip("transformers")
+    from jaxkv.models import from_pretrained
+
+    hf = hf_tiny(f"{family}ForCausalLM", f"{family}Config", tmp_path, num_hidden_layers=3, use_sliding_window=True,
+                 sliding_window=6, max_window_layers=1)
+    loaded = from_pretrained(tmp_path)
+    cache = HybridCache.from_config(hf.config, batch_size=2, max_length=10 + 48)
+    assert cache.layer_types == (FULL, SLIDING, SLIDING) and cache.window == 6
+    ids = np.random.default_rng(1).integers(0, 128, (2, 10))
+    got, cache = greedy(loaded.model, ids, cache, 48)
+    np.testing.assert_array_equal(got, hf_greedy(hf, ids, 48))
+    assert cache.get_seq_length(0) == cache.get_seq_length(2) == 10 + 47

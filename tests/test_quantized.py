@@ -225,7 +225,7 @@ def test_update_returns_dequantized_layer_with_exact_residual():
     rng = np.random.default_rng(1)
     k, v = rand(rng, B, 5), rand(rng, B, 5)
     k[0, :, 1] = 0.0  # an all-zero token: zeros, no NaN
-    cache, keys, values = make(4, residual=2).update(k, v, 0, num_new=jnp.array([5, 3]))
+    cache, keys, values = jax.jit(lambda c: c.update(k, v, 0, num_new=jnp.array([5, 3])))(make(4, residual=2))
     assert keys.shape == (B, H, S, D) and keys.dtype == jnp.float32
     np.testing.assert_array_equal(keys[0, :, 3:5], k[0, :, 3:5])  # last 2: exact
     np.testing.assert_array_equal(values[1, :, 1:3], v[1, :, 1:3])
@@ -259,9 +259,8 @@ def _all_ops(cache):
     )
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_every_op_eager_equals_jit(bits):
-    cache = filled(bits)
+def test_every_op_eager_equals_jit():
+    cache = filled(4)  # int4: the packing path; int8 differs only inside quantize/dequantize
     chex.assert_trees_all_equal(_all_ops(cache), jax.jit(_all_ops)(cache))
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxkv import INVALID, CacheError
 from jaxkv.attention import attend
+from jaxkv.hybrid import update_and_attend
 from jaxkv.sliding import NO_POSITION, SlidingWindowCache
 
 L, B, H, D = 2, 2, 2, 3
@@ -481,3 +482,83 @@ def test_protocol_and_memory_is_o_window():
         long, _, _ = long.update(K6, K6, 0)
     assert long.get_seq_length(0) == 25 and long.keys.shape == cache.keys.shape
     assert jax.tree.structure(long) == jax.tree.structure(make(4, 1))
+
+
+# ------------------------------------------------------------- model integration (HF)
+
+
+@pytest.fixture
+def model_takes_cache_kinds(monkeypatch):
+    """Routes the Llama model's attention through ``update_and_attend`` and its positions
+    through ``cache.positions``: the two-line change proposed for jaxkv.attention /
+    jaxkv.nnx so the model accepts every cache kind. Harmless once that change is in."""
+    import jaxkv.models.llama as llama
+    import jaxkv.nnx as jnnx
+
+    original = llama.token_positions
+
+    def positions(cache, batch, num_tokens):
+        if hasattr(cache, "update_view"):
+            return cache.positions(num_tokens)
+        return original(cache, batch, num_tokens)
+
+    monkeypatch.setattr(llama, "token_positions", positions)
+    monkeypatch.setattr(jnnx, "cache_attention", update_and_attend)
+
+
+def hf_tiny(family_cls, config_cls, directory, **config):
+    """A tiny random transformers model saved to `directory`, norms moved off ones."""
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **config,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, family_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+def greedy(model, ids, cache, steps):
+    """Greedy tokens [B, steps] through `cache`: prefill, then one jitted step per token."""
+    from flax import nnx
+
+    @nnx.jit
+    def step(model, tokens, cache):
+        logits, cache = model(tokens, cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    # The model code is not written for this file's strict promotion settings.
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        token, cache = step(model, jnp.asarray(ids, jnp.int32), cache)
+        out = [token]
+        for _ in range(steps - 1):
+            token, cache = step(model, token[:, None], cache)
+            out.append(token)
+    return np.stack([np.asarray(t) for t in out], axis=1), cache
+
+
+def hf_greedy(model, ids, steps):
+    import torch
+
+    with torch.no_grad():
+        return model.generate(torch.tensor(ids), max_new_tokens=steps, do_sample=False).numpy()[:, ids.shape[1]:]
+
+
+def test_mistral_sliding_window_greedy_tokens_equal_transformers(model_takes_cache_kinds, tmp_path):
+    pytest.importorskip("transformers")
+    from jaxkv.models import from_pretrained
+
+    hf = hf_tiny("MistralForCausalLM", "MistralConfig", tmp_path, num_hidden_layers=2, sliding_window=8)
+    loaded = from_pretrained(tmp_path)
+    ids = np.random.default_rng(0).integers(0, 128, (2, 12))  # prompt longer than the window
+    cache = SlidingWindowCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=16, window=8)
+    got, cache = greedy(loaded.model, ids, cache, 64)
+    np.testing.assert_array_equal(got, hf_greedy(hf, ids, 64))
+    assert cache.keys.shape[3] == 8 and cache.get_seq_length() == 12 + 63  # O(window) memory
