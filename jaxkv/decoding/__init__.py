@@ -14,13 +14,20 @@ S slots, C chunk size.
 """
 
 from jaxkv.decoding.beam import BeamSearchOutput, beam_search
+from jaxkv.decoding.chunked import chunked_prefill, prefill_chunk
 from jaxkv.decoding.parallel import sample_keys, sample_n
+from jaxkv.decoding.serving import Completion, Request, ServingLoop
 from jaxkv.decoding.speculative import SpeculativeOutput, speculative_generate
 
 __all__ = [
     "BeamSearchOutput",
+    "Completion",
+    "Request",
+    "ServingLoop",
     "SpeculativeOutput",
     "beam_search",
+    "chunked_prefill",
+    "prefill_chunk",
     "sample_keys",
     "sample_n",
     "speculative_generate",

@@ -1,0 +1,121 @@
+"""Chunked prefill: a long prompt enters the cache in fixed-size chunks.
+
+One-shot prefill of a P-token prompt compiles one program per prompt length and holds
+activations for all P tokens at once (the attention scores alone are ``[B, Hq, P, S]``).
+Here the prompt is cut into chunks of C tokens and each chunk is one call of the same
+jitted step, ``[B, C]`` tokens in, cache donated: the step compiles once per
+``(B, C, capacity)`` whatever the prompt length, and its activations are bounded by the
+chunk (``[B, Hq, C, S]`` scores), not by the prompt.
+
+Ragged prompts need no padding tricks: each chunk passes ``num_new[b]`` = the number of row
+``b``'s prompt tokens inside the chunk (0 once its prompt is done), so a row's last chunk
+stores only its real tokens, and its last-token logits are picked from the chunk that holds
+its last prompt token. Each chunk appends at every row's current length, so the cache
+may already hold a prefix (multi-turn continuation).
+
+The result equals one-shot prefill: the same cache contents and the same logits, up to
+float rounding of different matmul shapes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.cache import StaticCache
+from jaxkv.decoding._common import check_positive_int, check_prompts, forward, logits_at
+
+__all__ = ["chunked_prefill", "prefill_chunk"]
+
+
+def prefill_chunk(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: StaticCache,
+    tokens: jax.Array,  # [B, C] int32
+    num_new: jax.Array,  # [B] int32, in [0, C]
+) -> tuple[jax.Array, jax.Array, StaticCache]:  # (last [B, V], logits [B, C, V], cache)
+    """One chunk: row ``b`` stores its first ``num_new[b]`` tokens; the others are padding.
+
+    Returns each row's logits at its last stored token of this chunk (meaningless where
+    ``num_new[b] == 0``), the logits of every chunk token, and the new cache. Unjitted;
+    :func:`chunked_prefill` and the serving loop jit it.
+    """
+    logits, cache = forward(graphdef, state, tokens, cache, num_new)
+    return logits_at(logits, num_new - 1), logits, cache
+
+
+@partial(jax.jit, static_argnames=("graphdef", "return_logits"), donate_argnames=("cache",))
+def _chunk_step(graphdef, state, cache, tokens, num_new, last, *, return_logits):
+    chunk_last, logits, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
+    # A row keeps the logits of the last chunk that still held prompt tokens.
+    last = jnp.where((num_new > 0)[:, None], chunk_last, last)
+    return last, (logits if return_logits else None), cache
+
+
+def chunked_prefill(
+    model: nnx.Module,
+    input_ids: Any,  # [B, P] int
+    cache: StaticCache,
+    *,
+    chunk_size: int,
+    prompt_lengths: Any = None,  # [B] int
+    return_logits: bool = False,
+) -> tuple[jax.Array, StaticCache]:
+    """Prefills prompts chunk by chunk; the cache is donated (do not reuse the one passed).
+
+    Args:
+        model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
+        input_ids: [B, P] prompts, right-padded when ragged.
+        cache: a :class:`StaticCache` for the model with room for the prompts; each row's
+            prompt is appended at its current length.
+        chunk_size: C, tokens per chunk (one compiled program per C).
+        prompt_lengths: [B] real prompt length per row, in ``[1, P]``; default P.
+        return_logits: also return the logits of every prompt token.
+
+    Returns:
+        ``(logits, cache)``: logits are ``[B, V]`` at each row's last prompt token, or with
+        ``return_logits`` ``[B, P, V]`` at every prompt position (meaningless past a row's
+        length); float32.
+
+    Raises:
+        ValueError: bad prompts or chunk size; eagerly, a prompt that overflows the cache.
+
+    Example:
+        >>> cache = model.init_cache(batch_size=1, max_length=4096)           # doctest: +SKIP
+        >>> last, cache = chunked_prefill(model, ids, cache, chunk_size=256)  # doctest: +SKIP
+        >>> first_token = last.argmax(-1)                                     # doctest: +SKIP
+    """
+    who = "chunked_prefill"
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    chunk = check_positive_int(chunk_size, "chunk_size", who)
+    if not isinstance(cache, StaticCache):
+        raise TypeError(f"{who}: cache must be a StaticCache (model.init_cache(...)), got {type(cache).__name__}")
+    batch, prompt_len = input_ids.shape
+    free = cache.max_length - np.asarray(cache.seq_lengths(0))
+    if (np.asarray(prompt_lengths) > free).any():
+        row = int(np.argmax(np.asarray(prompt_lengths) > free))
+        raise ValueError(
+            f"{who}: row {row}'s prompt of {int(prompt_lengths[row])} tokens does not fit: the cache has "
+            f"{int(free[row])} free slots (max_length={cache.max_length}); allocate a larger cache"
+        )
+    num_chunks = -(-prompt_len // chunk)
+    padded = jnp.pad(input_ids, ((0, 0), (0, num_chunks * chunk - prompt_len)))
+    graphdef, state = nnx.split(model)
+    last = jnp.zeros((batch, model.config.vocab_size), jnp.float32)
+    all_logits = []
+    for i in range(num_chunks):
+        start = i * chunk
+        num_new = jnp.clip(prompt_lengths - start, 0, chunk).astype(jnp.int32)
+        last, logits, cache = _chunk_step(
+            graphdef, state, cache, padded[:, start : start + chunk], num_new, last, return_logits=return_logits
+        )
+        all_logits.append(logits)
+    if return_logits:
+        return jnp.concatenate(all_logits, axis=1)[:, :prompt_len], cache
+    return last, cache

@@ -1,0 +1,265 @@
+"""A serving loop: fixed batch slots decoding continuously, refilled as requests finish.
+
+The cache has ``num_slots`` rows. Each row (slot) serves one request at a time:
+
+* **admit**: a free slot takes the next waiting request; its row is emptied with
+  ``cache.reset(rows=...)`` (lengths and flags only, no data moves);
+* **prefill**: the prompt enters that row in chunks of ``chunk_size`` tokens (one
+  ``[S, C]`` forward per chunk, :func:`jaxkv.decoding.prefill_chunk`) with ``num_new`` =
+  the row's chunk length and 0 for every other row, so the other rows keep their caches
+  untouched while one (or several) rows prefill;
+* **decode**: one ``[S, 1]`` forward per step for every row that is generating,
+  ``num_new = 0`` for the rest;
+* **retire**: a request finishes at its EOS (kept) or after ``max_new_tokens``; its slot is
+  free for the next request at the next step.
+
+Two programs are compiled, once each: the chunk step and the decode step, both with the
+cache donated. Request lengths, arrival order and slot assignment are data (``num_new``,
+``reset`` masks, tokens), never shapes, so nothing recompiles while serving.
+
+Decoding is greedy (argmax, lowest id on ties), and per-row caches make a request's
+tokens independent of whatever else shares the batch: any arrival order gives each
+request the tokens it gets alone.
+
+``policy="static"`` is the baseline the benchmark compares against: a new batch is admitted
+only when every slot is free, so each batch waits for its longest request.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.decoding._common import check_positive_int, check_token_id, forward
+from jaxkv.decoding.chunked import prefill_chunk
+from jaxkv.sampling import greedy
+
+__all__ = ["Completion", "Request", "ServingLoop"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    Attributes:
+        prompt: token ids (at least one).
+        max_new_tokens: the most tokens to generate (>= 1).
+        arrival: the loop step at which the request becomes visible (0: from the start).
+        id: anything hashable that names the request; default its index in ``run``.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    arrival: int = 0
+    id: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request.
+
+    Attributes:
+        id: the request's id.
+        tokens: generated token ids, the EOS included when it ended the request.
+        finish_reason: ``"eos"`` or ``"length"``.
+        slot: the batch row that served it.
+        admitted_step, finished_step: loop steps at admission and at the last token.
+    """
+
+    id: Any
+    tokens: tuple[int, ...]
+    finish_reason: str
+    slot: int
+    admitted_step: int
+    finished_step: int
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    request_id: Any
+    admitted_step: int
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+def _prefill_program(graphdef, counter, state, cache, tokens, num_new, reset):
+    counter["prefill"] += 1  # runs only while tracing: counts compilations
+    cache = cache.reset(rows=reset)
+    last, _, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
+    return greedy(last), cache
+
+
+def _decode_program(graphdef, counter, state, cache, tokens, active):
+    counter["decode"] += 1
+    logits, cache = forward(graphdef, state, tokens[:, None], cache, active.astype(jnp.int32))
+    return greedy(logits[:, 0]), cache
+
+
+class ServingLoop:
+    """Continuous batching over a fixed number of cache rows.
+
+    Args:
+        model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
+        num_slots: S, requests decoded together (the cache batch size).
+        max_length: cache capacity per slot; a request needs
+            ``len(prompt) + max_new_tokens - 1 <= max_length``.
+        chunk_size: C, prompt tokens per prefill chunk.
+        eos_token_id: the token that ends a request (kept in its output), or None.
+        policy: ``"continuous"`` (refill a slot as soon as it frees) or ``"static"``
+            (admit a new batch only when all slots are free: the baseline).
+        cache_dtype: key/value storage dtype; default the model's parameter dtype.
+
+    Example:
+        >>> loop = ServingLoop(model, num_slots=4, max_length=256, chunk_size=32, eos_token_id=0)  # doctest: +SKIP
+        >>> done = loop.run([Request([5, 6, 7], 64), Request([8, 9], 16, arrival=3)])           # doctest: +SKIP
+        >>> done[0].tokens, loop.compile_counts                                                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        num_slots: int,
+        max_length: int,
+        chunk_size: int = 32,
+        eos_token_id: int | None = None,
+        policy: str = "continuous",
+        cache_dtype: Any = None,
+    ):
+        who = "ServingLoop"
+        self.num_slots = check_positive_int(num_slots, "num_slots", who)
+        self.max_length = check_positive_int(max_length, "max_length", who)
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size", who)
+        self.eos_token_id = check_token_id(eos_token_id, "eos_token_id", model.config.vocab_size, who)
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"{who}: policy must be 'continuous' or 'static', got {policy!r}")
+        self.policy = policy
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = model.init_cache(self.num_slots, self.max_length, dtype=cache_dtype)
+        self._counter = collections.Counter()
+        self._prefill = jax.jit(partial(_prefill_program, self._graphdef, self._counter), donate_argnames="cache")
+        self._decode = jax.jit(partial(_decode_program, self._graphdef, self._counter), donate_argnames="cache")
+        self.stats: dict[str, float] = {}
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        """How many times each program was traced (compiled): ``{"prefill": n, "decode": m}``."""
+        return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
+
+    def _check(self, request: Request, who: str) -> None:
+        if len(request.prompt) < 1:
+            raise ValueError(f"{who}: request {request.id!r} has an empty prompt; it needs at least one token")
+        check_positive_int(request.max_new_tokens, "max_new_tokens", who)
+        need = len(request.prompt) + request.max_new_tokens - 1
+        if need > self.max_length:
+            raise ValueError(
+                f"{who}: request {request.id!r} needs {need} cache slots (prompt {len(request.prompt)} + "
+                f"max_new_tokens {request.max_new_tokens} - 1) but max_length is {self.max_length}; build the "
+                "loop with a larger max_length or shorten the request"
+            )
+
+    def run(self, requests: Sequence[Request]) -> list[Completion]:
+        """Serves ``requests`` to completion; returns their completions in request order.
+
+        A request becomes visible at its ``arrival`` step; waiting requests are admitted
+        in (arrival, index) order. ``self.stats`` afterwards holds the step and token counts
+        and the wall time.
+
+        Raises:
+            ValueError: an empty prompt, ``max_new_tokens < 1``, or a request that does not
+                fit ``max_length``.
+        """
+        who = "ServingLoop.run"
+        for request in requests:
+            self._check(request, who)
+        ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
+        pending = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
+        waiting: collections.deque[int] = collections.deque()
+        slots: list[_Slot | None] = [None] * self.num_slots
+        done: dict[int, Completion] = {}
+        index_of = {}
+        step = 0
+        prefill_calls = decode_calls = 0
+        start = time.perf_counter()
+        s, c = self.num_slots, self.chunk_size
+
+        def retire(row: int, reason: str) -> None:
+            slot = slots[row]
+            done[index_of[row]] = Completion(
+                slot.request_id, tuple(slot.tokens), reason, row, slot.admitted_step, step
+            )
+            slots[row] = None
+
+        def after_token(row: int, token: int) -> None:
+            slot = slots[row]
+            slot.tokens.append(token)
+            if self.eos_token_id is not None and token == self.eos_token_id:
+                retire(row, "eos")
+            elif len(slot.tokens) >= slot.request.max_new_tokens:
+                retire(row, "length")
+
+        while len(done) < len(requests):
+            while pending and requests[pending[0]].arrival <= step:
+                waiting.append(pending.pop(0))
+            reset = np.zeros((s,), bool)
+            if self.policy == "continuous" or all(slot is None for slot in slots):
+                for row in range(s):
+                    if slots[row] is None and waiting:
+                        i = waiting.popleft()
+                        slots[row] = _Slot(requests[i], ids[i], step)
+                        index_of[row] = i
+                        reset[row] = True
+
+            prefilling = [row for row in range(s) if slots[row] and slots[row].prefilled < len(slots[row].request.prompt)]
+            if prefilling:
+                tokens = np.zeros((s, c), np.int32)
+                num_new = np.zeros((s,), np.int32)
+                for row in prefilling:
+                    slot = slots[row]
+                    chunk = slot.request.prompt[slot.prefilled : slot.prefilled + c]
+                    tokens[row, : len(chunk)] = chunk
+                    num_new[row] = len(chunk)
+                    slot.prefilled += len(chunk)
+                first, self._cache = self._prefill(self._state, self._cache, tokens, num_new, reset)
+                prefill_calls += 1
+                first = np.asarray(first)
+                for row in prefilling:
+                    if slots[row].prefilled == len(slots[row].request.prompt):
+                        after_token(row, int(first[row]))
+
+            # Rows with a first token generate; one whose prompt just ended joins at once.
+            decoding = [row for row in range(s) if slots[row] and slots[row].tokens]
+            if decoding:
+                tokens = np.zeros((s,), np.int32)
+                active = np.zeros((s,), bool)
+                for row in decoding:
+                    tokens[row] = slots[row].tokens[-1]
+                    active[row] = True
+                nxt, self._cache = self._decode(self._state, self._cache, tokens, active)
+                decode_calls += 1
+                nxt = np.asarray(nxt)
+                for row in decoding:
+                    after_token(row, int(nxt[row]))
+            step += 1
+
+        wall = time.perf_counter() - start
+        generated = sum(len(cpl.tokens) for cpl in done.values())
+        self.stats = dict(
+            steps=step,
+            prefill_calls=prefill_calls,
+            decode_calls=decode_calls,
+            generated_tokens=generated,
+            wall_s=wall,
+            tokens_per_s=generated / wall if wall > 0 else float("inf"),
+        )
+        return [done[i] for i in range(len(requests))]

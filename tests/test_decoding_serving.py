@@ -1,0 +1,102 @@
+"""Serving loop: any arrival order gives each request its tokens alone; nothing recompiles."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv.decoding import Request, ServingLoop
+from test_decoding_reference import greedy_reference, make_model
+
+SLOTS, CAPACITY, CHUNK = 3, 32, 4
+
+
+def _requests(seed=0, count=7):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        prompt = rng.integers(1, 128, size=int(rng.integers(1, 11))).tolist()
+        out.append(Request(prompt, int(rng.integers(1, 13)), id=f"r{i}"))
+    return out
+
+
+REQUESTS = _requests()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(seed=8, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def eos(model):
+    # A token the requests actually produce, so some stop early at their EOS.
+    plain = greedy_reference(model, [r.prompt for r in REQUESTS], 12)
+    values, counts = np.unique([t for out in plain for t in out[1:4]], return_counts=True)
+    return int(values[np.argmax(counts)])
+
+
+@pytest.fixture(scope="module")
+def alone(model, eos):
+    """Each request's tokens when it runs by itself (cache-free reference)."""
+    outs = greedy_reference(model, [r.prompt for r in REQUESTS], 12, eos_token_id=eos)
+    return {r.id: out[: r.max_new_tokens] for r, out in zip(REQUESTS, outs)}
+
+
+@pytest.fixture(scope="module")
+def loop(model, eos):
+    return ServingLoop(model, num_slots=SLOTS, max_length=CAPACITY, chunk_size=CHUNK, eos_token_id=eos)
+
+
+def _check(done, requests, alone, eos):
+    for request, completion in zip(requests, done):
+        assert completion.id == request.id
+        assert list(completion.tokens) == alone[request.id], request.id
+        assert completion.finish_reason == ("eos" if completion.tokens[-1] == eos else "length")
+
+
+def test_every_request_gets_its_tokens_alone(loop, alone, eos):
+    done = loop.run(REQUESTS)
+    _check(done, REQUESTS, alone, eos)
+    assert {c.finish_reason for c in done} == {"eos", "length"}
+    # More requests than slots: slots were reused.
+    assert len({c.slot for c in done}) == SLOTS and loop.stats["generated_tokens"] == sum(len(a) for a in alone.values())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    order=st.permutations(range(len(REQUESTS))),
+    arrivals=st.lists(st.integers(0, 25), min_size=len(REQUESTS), max_size=len(REQUESTS)),
+)
+def test_any_arrival_order_gives_the_same_tokens_without_recompiling(loop, alone, eos, order, arrivals):
+    loop.run(REQUESTS[:2])  # warm: both programs compiled
+    compiled = dict(loop.compile_counts)
+    requests = [
+        Request(REQUESTS[i].prompt, REQUESTS[i].max_new_tokens, arrival=a, id=REQUESTS[i].id)
+        for i, a in zip(order, arrivals)
+    ]
+    done = loop.run(requests)
+    _check(done, requests, alone, eos)
+    assert loop.compile_counts == compiled == {"prefill": 1, "decode": 1}
+
+
+def test_static_batches_give_the_same_tokens_in_more_steps(model, alone, eos, loop):
+    static = ServingLoop(model, num_slots=SLOTS, max_length=CAPACITY, chunk_size=CHUNK, eos_token_id=eos,
+                         policy="static")
+    done = static.run(REQUESTS)
+    _check(done, REQUESTS, alone, eos)
+    loop.run(REQUESTS)
+    assert static.stats["steps"] > loop.stats["steps"]
+    # A static batch admits only into an empty batch.
+    admitted = sorted({c.admitted_step for c in done})
+    for step in admitted[1:]:
+        assert all(c.finished_step < step for c in done if c.admitted_step < step)
+
+
+def test_rejects_requests_that_do_not_fit(loop, model):
+    with pytest.raises(ValueError, match="needs 33 cache slots .* but max_length is 32"):
+        loop.run([Request([1] * 30, 4)])
+    with pytest.raises(ValueError, match="empty prompt"):
+        loop.run([Request([], 4)])
+    with pytest.raises(ValueError, match="policy must be"):
+        ServingLoop(model, num_slots=2, max_length=8, policy="fifo")
