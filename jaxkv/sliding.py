@@ -514,7 +514,7 @@ class SlidingWindowCache:
                     f"positions {int(needed_from[layer, row])}..{length - 1} for the window of "
                     f"{self.window}, but those before {start} were evicted. This cache "
                     f"(extra_slots={self.extra_slots}) can roll a full window back by at most "
-                    f"{self.extra_slots + 1} tokens; allocate more extra_slots."
+                    f"{self.extra_slots + 1} token(s); allocate more extra_slots."
                 )
         return dataclasses.replace(
             self,

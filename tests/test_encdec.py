@@ -234,6 +234,19 @@ def test_ops_eager_equal_jit_and_vmap_equals_loop():
         chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], batched), decode_kept(c, token), rtol=1e-6, atol=1e-6)
 
 
+def test_scan_decode_loop_equals_step_loop():
+    src, src_len = sources()
+    _, cache = run(new_cache(src, src_len), TOKENS[:, :3], [3], step=decode_kept)
+
+    def body(cache, token):  # token: [B]
+        logits, cache = decode(cache, token[:, None])
+        return cache, logits[:, 0]
+
+    _, scanned = jax.jit(lambda c: jax.lax.scan(body, c, jnp.asarray(TOKENS[:, 3:7].T)))(cache)
+    looped, _ = run(cache, TOKENS[:, 3:7], [1, 1, 1, 1], step=decode_kept)
+    np.testing.assert_allclose(np.moveaxis(np.asarray(scanned), 0, 1), looped, rtol=1e-5, atol=1e-5)
+
+
 def test_donated_step_reuses_self_attention_buffer():
     src, src_len = sources()
     cache = new_cache(src, src_len)

@@ -4,6 +4,10 @@ update_and_attend, jit / vmap / donation, and the error paths."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -332,6 +336,52 @@ def test_donated_decode_step_writes_both_parts_in_place():
     assert (np.asarray(out.flags) & OVERFLOW).all() and out.get_seq_length(0) == S + 1
     with pytest.raises(CacheError, match=r"overflowed max_length=12"):
         out.check()
+
+
+def test_scan_decode_loop_equals_step_loop():
+    ks = jnp.asarray(rand(np.random.default_rng(4), B, 7))
+
+    def step(cache, k):  # k: [B, H, D]
+        for layer in range(len(TYPES)):
+            cache, _, _ = cache.update(k[:, :, None], k[:, :, None] * (layer + 1), layer)
+        return cache, cache.kv_positions(0)
+
+    scanned, positions = jax.jit(lambda c: jax.lax.scan(step, c, jnp.moveaxis(ks, 2, 0)))(make())
+    looped, jitted = make(), jax.jit(step)
+    for t in range(7):
+        looped, last = jitted(looped, ks[:, :, t])
+    chex.assert_trees_all_equal(scanned, looped)
+    np.testing.assert_array_equal(positions[-1], last)
+
+
+def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
+    script = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+        from jaxkv.hybrid import HybridCache
+        from jaxkv.quantized import QuantizedCache
+        k = jnp.ones((2, 1, 5, 4), jnp.float64)
+        h = HybridCache.init(layer_types=["sliding_attention", "full_attention"], batch_size=2, num_kv_heads=1,
+                             head_dim=4, max_length=8, window=3, dtype=jnp.bfloat16)
+        h, view = h.update_view(k, k, 0, num_new=jnp.array([5, 2]))
+        h = jax.jit(lambda c: c.update(k, k, 1)[0])(h).crop(jnp.array([9, 2])).reorder_cache(jnp.array([1, 0]))
+        assert view.keys.dtype == jnp.bfloat16 and view.kv_positions.dtype == jnp.int32
+        s = h.sliding
+        assert s.keys.dtype == jnp.bfloat16 and s.lengths.dtype == s.starts.dtype == jnp.int32
+        assert h.kv_positions(0).dtype == jnp.int32 and h.positions(2).dtype == jnp.int32
+        assert h.seq_lengths(0).tolist() == [2, 5] and h.seq_lengths(1).tolist() == [2, 5], h
+        q = QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=8, bits=4,
+                                residual_length=2, dtype=jnp.bfloat16)
+        q, keys, _ = jax.jit(lambda c: c.update(k, k, jnp.int64(0), num_new=jnp.array([5, 2])))(q)
+        assert keys.dtype == jnp.bfloat16 and q.keys.dtype == jnp.uint8
+        assert q.lengths.dtype == q.residual_positions.dtype == jnp.int32
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
 # ---------------------------------------------------------------------------- errors
