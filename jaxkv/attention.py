@@ -34,6 +34,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxkv.blockwise import blockwise_attend
 from jaxkv.cache import DynamicCache, StaticCache
 
 __all__ = ["attend", "attention_mask", "cache_attention", "token_positions"]
@@ -295,8 +296,21 @@ def cache_attention(
         kv_positions = positions
         kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
     elif isinstance(cache, StaticCache):
-        cache, keys, values = cache.update(keys, values, layer_idx, num_new=num_new)
-        kv_lengths = cache.seq_lengths(layer_idx)
+        cache, _, _ = cache.update(keys, values, layer_idx, num_new=num_new)
+        # Blockwise over the stacked buffers: reads only the blocks rows have filled (cost
+        # scales with tokens stored, not capacity) and never slices a layer out first.
+        out = blockwise_attend(
+            queries,
+            cache.keys,
+            cache.values,
+            layer_idx=layer_idx,
+            q_positions=positions,
+            kv_lengths=cache.seq_lengths(layer_idx),
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            scale=scale,
+        )
+        return out, cache
     elif isinstance(cache, DynamicCache):
         if num_new is not None:
             raise ValueError(
