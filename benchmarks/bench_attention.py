@@ -101,7 +101,6 @@ def bandwidth_table(layers, tokens, batches, repeats):
             dict(batch=batch, cache_mb=nbytes / 2**20, attention_gbs=nbytes / t_attn / 1e9, sum_gbs=nbytes / t_read / 1e9,
                  attention_ms=t_attn * 1e3, sum_ms=t_read * 1e3)
         )
-        del keys, values
     print(f"\n2. Attention of 1 token over {layers} layers x {tokens} tokens (blockwise), f32, vs jnp.sum over the same bytes")
     print_table(
         ["batch", "cache MB", "attention ms", "sum ms", "attention GB/s", "sum GB/s", "attention / sum"],

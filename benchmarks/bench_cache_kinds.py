@@ -111,30 +111,12 @@ def step_time(
     return time_calls(call, repeats=repeats)
 
 
-def _route_model_attention_through_update_and_attend() -> None:
-    """Lets the Llama model take every cache kind: its attention goes through
-    ``update_and_attend`` and its positions through ``cache.positions``. This is the change
-    proposed for jaxkv.attention (``cache_attention`` / ``token_positions``); until it is
-    in, the benchmark installs it here."""
-    import jaxkv.models.llama as llama
-    import jaxkv.nnx as jnnx
-
-    original = llama.token_positions
-
-    def positions(cache, batch, num_tokens):
-        return cache.positions(num_tokens) if hasattr(cache, "update_view") else original(cache, batch, num_tokens)
-
-    llama.token_positions = positions
-    jnnx.cache_attention = update_and_attend
-
-
 def quality(num_tokens: int) -> dict:
     from flax import nnx
 
     import jaxkv
     from jaxkv.models import from_pretrained
 
-    _route_model_attention_through_update_and_attend()
     loaded = from_pretrained(str(Path(jaxkv.__file__).parent / "_assets" / "pycoder"))
     model, config = loaded.model, loaded.config
     prompt = np.asarray([loaded.tokenizer.encode("def fibonacci(n):\n").ids], np.int32)

@@ -9,18 +9,33 @@ so that ``import jaxkv`` works with jax alone.
 """
 
 from jaxkv.cache import INVALID, OVERFLOW, CacheError, DynamicCache, StaticCache
+from jaxkv.encdec import CrossAttentionCache, EncoderDecoderCache
+from jaxkv.hybrid import HybridCache, layer_types_from_config, update_and_attend
+from jaxkv.quantized import QuantizedCache, dequantize, quantize
 from jaxkv.sampling import SamplingConfig
+from jaxkv.sliding import NO_POSITION, LayerView, SlidingWindowCache
 
 __all__ = [
     "INVALID",
+    "NO_POSITION",
     "OVERFLOW",
     "CacheError",
+    "CrossAttentionCache",
     "DynamicCache",
+    "EncoderDecoderCache",
     "GenerateOutput",
+    "HybridCache",
+    "LayerView",
+    "QuantizedCache",
     "SamplingConfig",
+    "SlidingWindowCache",
     "StaticCache",
+    "dequantize",
     "generate",
+    "layer_types_from_config",
+    "quantize",
     "stream",
+    "update_and_attend",
 ]
 
 __version__ = "0.1.0"

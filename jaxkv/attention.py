@@ -190,7 +190,7 @@ def attend(
         scale = head_dim**-0.5
     # Unfilled slots may hold NaN; a zero probability times NaN is still NaN, so the values
     # themselves are cleaned. Filled-but-masked slots (future, out of window) hold real data.
-    filled = jnp.arange(num_slots) < kv_lengths.astype(jnp.int32)[:, None]  # [B, S]
+    filled = jnp.arange(num_slots)[None, :] < kv_lengths.astype(jnp.int32)[:, None]  # [B, S]
     values = jnp.where(filled[:, None, :, None], values, jnp.zeros((), values.dtype))
 
     if implementation == "jax":
@@ -245,7 +245,7 @@ def token_positions(
     Raises:
         TypeError: a cache of another type.
     """
-    if isinstance(cache, StaticCache):
+    if isinstance(cache, StaticCache) or hasattr(cache, "update_view"):
         return cache.positions(num_tokens, 0)
     if cache is not None and not isinstance(cache, DynamicCache):
         raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
@@ -319,6 +319,18 @@ def cache_attention(
             )
         cache, keys, values = cache.update(keys, values, layer_idx)
         kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32)
+    elif hasattr(cache, "update_view"):
+        # The other cache kinds (sliding ring, quantized, hybrid, encoder-decoder self part)
+        # report per-slot positions and their own window with the written layer.
+        cache, view = cache.update_view(keys, values, layer_idx, num_new=num_new)
+        if view.sliding_window is not None:
+            if sliding_window is not None and sliding_window != view.sliding_window:
+                raise ValueError(
+                    f"layer {layer_idx} of the {type(cache).__name__} has window {view.sliding_window} but "
+                    f"the model asks for sliding_window={sliding_window}; build the cache with the model's window"
+                )
+            sliding_window = view.sliding_window
+        keys, values, kv_lengths, kv_positions = view.keys, view.values, view.kv_lengths, view.kv_positions
     else:
         raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
     out = attend(

@@ -63,7 +63,6 @@ def run_generate(args: argparse.Namespace, out=sys.stdout) -> None:
     # Imports are deferred so that `jaxkv --help` and argument errors are instant.
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxkv.generation import stream
     from jaxkv.models import CheckpointError, from_pretrained

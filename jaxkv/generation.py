@@ -124,14 +124,22 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:  # [B] bool
     return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "sampling", "cache_dtype"))
+def _init_cache(model, batch, capacity, dtype, kind):
+    if kind == "static":  # the plain protocol: any model with init_cache(batch, length, dtype=)
+        return model.init_cache(batch, capacity, dtype=dtype)
+    return model.init_cache(batch, capacity, dtype=dtype, kind=kind)
+
+
+@partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "sampling", "cache_dtype", "cache_kind")
+)
 def _generate(
     graphdef, state, input_ids, prompt_lengths, row_keys, stop_ids, pad_id, *, max_new_tokens, capacity, sampling,
-    cache_dtype,
+    cache_dtype, cache_kind="static",
 ):
     model = nnx.merge(graphdef, state)
     batch = input_ids.shape[0]
-    cache = model.init_cache(batch, capacity, dtype=cache_dtype)
+    cache = _init_cache(model, batch, capacity, cache_dtype, cache_kind)
     first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling)
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, stop_ids)
@@ -221,6 +229,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
     cache_dtype: Any = None,
+    cache_kind: str = "static",
     bucket: bool = True,
 ) -> GenerateOutput:
     """Decodes a batch of (possibly ragged) prompts in one compiled program.
@@ -242,6 +251,9 @@ def generate(
         cache gets no more writes) and its remaining tokens are ``pad_token_id``.
       pad_token_id: filler after a row's stop token and for prompt bucketing.
       cache_dtype: key/value storage dtype; default the model's parameter dtype.
+      cache_kind: ``"static"`` (default), or another kind the model's ``init_cache``
+        offers (``Llama``: ``"hybrid"`` ring buffers for sliding layers, ``"quantized"``
+        int8 keys/values).
       bucket: pad the prompt axis to the next power of two (>= 16) so that nearby prompt
         lengths share one compiled program.
 
@@ -276,6 +288,7 @@ def generate(
         capacity=ids.shape[1] + int(max_new_tokens),
         sampling=sampling,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+        cache_kind=cache_kind,
     )
     return GenerateOutput(tokens=tokens, lengths=out_lengths)
 

@@ -24,10 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import attend, cache_attention
+from jaxkv.attention import cache_attention
 from jaxkv.cache import (
     OVERFLOW,
-    DynamicCache,
     StaticCache,
     _check_repeats,
     _check_row_indices,
@@ -428,22 +427,7 @@ def update_and_attend(
     Raises:
       ValueError: the cache's window for this layer differs from ``sliding_window``.
     """
-    if cache is None or isinstance(cache, (StaticCache, DynamicCache)):
-        return cache_attention(
-            queries, key_states, value_states, cache, layer_idx, positions=positions, num_new=num_new,
-            sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
-        )
-    cache, view = cache.update_view(key_states, value_states, layer_idx, num_new=num_new)
-    window = sliding_window
-    if view.sliding_window is not None:
-        if sliding_window is not None and sliding_window != view.sliding_window:
-            raise ValueError(
-                f"update_and_attend: layer {layer_idx} of the cache has window {view.sliding_window} but the "
-                f"model asks for sliding_window={sliding_window}; build the cache with the model's window."
-            )
-        window = view.sliding_window
-    out = attend(
-        queries, view.keys, view.values, q_positions=positions, kv_lengths=view.kv_lengths,
-        kv_positions=view.kv_positions, sliding_window=window, logit_softcap=logit_softcap, scale=scale,
+    return cache_attention(
+        queries, key_states, value_states, cache, layer_idx, positions=positions, num_new=num_new,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
     )
-    return out, cache

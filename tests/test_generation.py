@@ -135,3 +135,19 @@ def test_stream_equals_generate_and_donates(model):
 def test_generate_bad_sampling_inputs(model, kwargs, error, match):
     with pytest.raises(error, match=match):
         generate(model, np.ones((2, 3), np.int32), 4, **kwargs)
+
+
+def test_generate_through_other_cache_kinds():
+    """A sliding-window model: the ring-buffer (hybrid) cache gives the static cache's
+    tokens exactly. The int8 cache runs through the same loop (its accuracy is measured in
+    tests/test_quantized.py and benchmarks/bench_cache_kinds.py)."""
+    windowed = Llama(LlamaConfig.tiny(sliding_window=4, sliding_layers=(True, False)), rngs=nnx.Rngs(5))
+    _, padded = ragged(np.random.default_rng(7), [9, 6])
+    lengths = np.array([9, 6])
+    want = generate(windowed, padded, 10, prompt_lengths=lengths)
+    hybrid = generate(windowed, padded, 10, prompt_lengths=lengths, cache_kind="hybrid")
+    np.testing.assert_array_equal(hybrid.tokens, want.tokens)
+    quantized = generate(windowed, padded, 10, prompt_lengths=lengths, cache_kind="quantized")
+    assert quantized.tokens.shape == (2, 10) and np.asarray(quantized.lengths).tolist() == [10, 10]
+    with pytest.raises(ValueError, match="kind must be"):
+        generate(windowed, padded, 4, prompt_lengths=lengths, cache_kind="paged")

@@ -23,7 +23,6 @@ from jaxkv.quantized import QuantizedCache
 from jaxkv.sliding import NO_POSITION, SlidingWindowCache
 from reference import ReferenceCache
 from test_sliding import SlidingReference, band_attention, greedy, hf_greedy, hf_tiny
-from test_sliding import model_takes_cache_kinds  # noqa: F401  (a fixture)
 from test_sliding import assert_matches as assert_sliding_matches
 
 TYPES = (SLIDING, FULL, SLIDING, FULL)
@@ -436,7 +435,7 @@ def test_all_full_or_all_sliding():
 
 
 @pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
-def test_qwen_hybrid_greedy_tokens_equal_transformers(family, model_takes_cache_kinds, tmp_path):  # noqa: F811
+def test_qwen_hybrid_greedy_tokens_equal_transformers(family, tmp_path):
     """Layer 0 full, layers 1-2 sliding (window 6): 48 greedy tokens as transformers."""
     pytest.importorskip("transformers")
     from jaxkv.models import from_pretrained

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from jaxkv import INVALID, CacheError
 from jaxkv.attention import attend
-from jaxkv.hybrid import update_and_attend
 from jaxkv.sliding import NO_POSITION, SlidingWindowCache
 
 L, B, H, D = 2, 2, 2, 3
@@ -487,25 +486,6 @@ def test_protocol_and_memory_is_o_window():
 # ------------------------------------------------------------- model integration (HF)
 
 
-@pytest.fixture
-def model_takes_cache_kinds(monkeypatch):
-    """Routes the Llama model's attention through ``update_and_attend`` and its positions
-    through ``cache.positions``: the two-line change proposed for jaxkv.attention /
-    jaxkv.nnx so the model accepts every cache kind. Harmless once that change is in."""
-    import jaxkv.models.llama as llama
-    import jaxkv.nnx as jnnx
-
-    original = llama.token_positions
-
-    def positions(cache, batch, num_tokens):
-        if hasattr(cache, "update_view"):
-            return cache.positions(num_tokens)
-        return original(cache, batch, num_tokens)
-
-    monkeypatch.setattr(llama, "token_positions", positions)
-    monkeypatch.setattr(jnnx, "cache_attention", update_and_attend)
-
-
 def hf_tiny(family_cls, config_cls, directory, **config):
     """A tiny random transformers model saved to `directory`, norms moved off ones."""
     import torch
@@ -551,7 +531,7 @@ def hf_greedy(model, ids, steps):
         return model.generate(torch.tensor(ids), max_new_tokens=steps, do_sample=False).numpy()[:, ids.shape[1]:]
 
 
-def test_mistral_sliding_window_greedy_tokens_equal_transformers(model_takes_cache_kinds, tmp_path):
+def test_mistral_sliding_window_greedy_tokens_equal_transformers(tmp_path):
     pytest.importorskip("transformers")
     from jaxkv.models import from_pretrained
 

@@ -264,7 +264,7 @@ def apply_rope(
     inv_freq: jax.Array,  # [D/2]
 ) -> jax.Array:  # [B, heads, T, D]
     """Rotates the two halves of each head by angle ``position * inv_freq`` (HF layout)."""
-    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
+    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq[None, None, None, :]  # [B, 1, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     first, second = jnp.split(x, 2, axis=-1)
@@ -362,9 +362,59 @@ class Llama(nnx.Module):
     def dtype(self) -> jnp.dtype:
         return self.embed_tokens.embedding[...].dtype
 
-    def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> StaticCache:
-        """An empty StaticCache for this model; keys/values in the parameter dtype by default."""
-        return init_cache(self.cache_spec, batch_size, max_length, dtype=self.dtype if dtype is None else dtype)
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        dtype: Any = None,
+        kind: str = "static",
+        bits: int = 8,
+        residual_length: int = 0,
+    ) -> Any:
+        """An empty cache for this model; keys/values in the parameter dtype by default.
+
+        Args:
+            batch_size: B.
+            max_length: capacity in tokens (prompt plus everything generated).
+            dtype: storage dtype (quantized: the dtype of the dequantized keys/values).
+            kind: ``"static"`` (a :class:`StaticCache`; sliding layers are masked),
+                ``"hybrid"`` (full layers in a StaticCache, the config's sliding layers in
+                ring buffers of ``sliding_window`` slots: memory O(window) for them), or
+                ``"quantized"`` (int8 / int4 keys and values, see ``bits``).
+            bits: 8 or 4, for ``kind="quantized"``.
+            residual_length: recent tokens kept in full precision, for ``kind="quantized"``.
+
+        Raises:
+            ValueError: an unknown kind, or ``"hybrid"`` for a config without sliding layers.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        spec = self.cache_spec
+        if kind == "static":
+            return init_cache(spec, batch_size, max_length, dtype=dtype)
+        if kind == "hybrid":
+            # Imported here: the cache kinds live beside the core, the model only uses them.
+            from jaxkv.hybrid import FULL, SLIDING, HybridCache
+
+            if self.config.sliding_window is None or not any(self.config.sliding_layers):
+                raise ValueError(
+                    "kind='hybrid' needs a config with sliding-window layers; this one has none "
+                    "(use kind='static')"
+                )
+            return HybridCache.init(
+                layer_types=[SLIDING if s else FULL for s in self.config.sliding_layers],
+                batch_size=batch_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                max_length=max_length, window=self.config.sliding_window, dtype=dtype,
+            )
+        if kind == "quantized":
+            from jaxkv.quantized import QuantizedCache
+
+            return QuantizedCache.init(
+                num_layers=spec.num_layers, batch_size=batch_size, num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, max_length=max_length, bits=bits, residual_length=residual_length,
+                dtype=dtype,
+            )
+        raise ValueError(f"kind must be 'static', 'hybrid' or 'quantized', got {kind!r}")
 
     def __call__(
         self,
