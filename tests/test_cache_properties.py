@@ -85,7 +85,7 @@ def _run(cache, ref, ops, seed, *, static: bool):
     return cache
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(ragged=False))
 def test_dynamic_and_static_match_numpy_model(program):
     batch, ops, seed = program
@@ -98,7 +98,7 @@ def test_dynamic_and_static_match_numpy_model(program):
     assert not final.flags.any()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(ragged=True))
 def test_static_ragged_matches_numpy_model(program):
     batch, ops, seed = program

@@ -32,13 +32,6 @@ def test_generate_streams_text_and_prints_summary():
     assert "Traceback" not in result.stderr
 
 
-def test_same_seed_same_text_greedy_flag():
-    a = run("generate", "import os", "--max-new-tokens", "12", "--temperature", "0")
-    b = run("generate", "import os", "--max-new-tokens", "12", "--temperature", "0")
-    assert a.returncode == b.returncode == 0
-    assert a.stdout.splitlines()[:-1] == b.stdout.splitlines()[:-1]
-
-
 @pytest.mark.parametrize(
     "args, match",
     [

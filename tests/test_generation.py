@@ -31,25 +31,17 @@ def ragged(rng, lengths):
     return prompts, padded
 
 
-def greedy_reference(model, prompt, steps):
-    """Re-runs the full uncached forward for every new token."""
-    seq = np.asarray(prompt)[None]
-    for _ in range(steps):
-        logits = model(jnp.asarray(seq, jnp.int32), None)[0]
-        seq = np.concatenate([seq, np.argmax(np.asarray(logits[:, -1:]), -1)], axis=1)
-    return seq[0, len(prompt):]
-
-
 SAMPLED = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
 
 
-def test_greedy_matches_uncached_reference(model):
+def test_greedy_ragged_batch_equals_rows_alone(model):
+    """(Greedy tokens against the uncached forward: tests/test_models.py.)"""
     prompts, padded = ragged(np.random.default_rng(0), [6, 3])
     out = generate(model, padded, 8, prompt_lengths=np.array([6, 3]))
     assert out.tokens.shape == (2, 8) and out.tokens.dtype == jnp.int32
     np.testing.assert_array_equal(out.lengths, [8, 8])
     for b, p in enumerate(prompts):
-        np.testing.assert_array_equal(np.asarray(out.tokens[b]), greedy_reference(model, p, 8))
+        np.testing.assert_array_equal(generate(model, p[None], 8).tokens[0], out.tokens[b])
 
 
 def test_same_key_same_tokens_and_rows_independent_of_batch(model):
