@@ -1,0 +1,457 @@
+"""Decode step time of jaxkv.generate against transformers and Flax NNX, and peak memory.
+
+One Llama config; jaxkv and transformers run the *same* random weights (a random
+``LlamaForCausalLM`` saved with ``save_pretrained`` and read back with
+``jaxkv.models.from_pretrained``). For each batch size and context length (prompt tokens
+already in the cache) we measure the decode step time, seconds per step (one new token
+per row), of:
+
+* ``jaxkv``: ``jaxkv.generate`` (one compiled program: prefill + ``lax.while_loop``),
+  warm. Step time = (time of N+1 new tokens - time of 1 new token) / N, each the best
+  of R calls, so prefill and dispatch cancel.
+* ``hf_dynamic`` / ``hf_static``: transformers ``model.generate(do_sample=False)``
+  (PyTorch CPU, ``inference_mode``, threads = cores) with its default dynamic cache and
+  with ``cache_implementation="static"``. Step time = median gap between consecutive calls
+  of a logits processor, i.e. one forward + generate's own per-step work (the prefill is
+  not in any gap), best of R generate calls. (The difference method above would need two long prefills per cell.)
+* ``nnx``: an equivalent decoder on ``nnx.MultiHeadAttention(decode=True)`` (same hidden
+  size, layers, MLP, 8 query / 2 kv heads: flax 0.12 has ``num_kv_heads``, so its cache has
+  the same size; it has no RoPE, which only makes it cheaper). Its cache (capacity
+  context + N) is filled with random keys/values and ``cache_index`` set to the context;
+  then N single-token greedy steps run under ``nnx.jit``, step time = total / N, best of R.
+
+Best-of-R everywhere: the cores are shared with other jobs, and the minimum is the
+figure least inflated by them.
+
+Context C is the prompt length; the N steps then read C..C+N-1 stored tokens. All figures
+of a table come from this one run; machines here are shared, so compare ratios, not
+absolute times. ``--memory`` measures peak RSS of jaxkv.generate in fresh subprocesses
+(see :func:`memory_report`).
+
+    python benchmarks/bench_generate.py            # full run, writes results/generate.json
+    python benchmarks/bench_generate.py --quick    # smoke run (~1 min), writes nothing
+    python benchmarks/bench_generate.py --plot-only  # redraw docs/decode_step_time.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from common import machine, print_table, write_json  # noqa: E402
+
+STRATEGIES = ("jaxkv", "hf_dynamic", "hf_static", "nnx")
+GOALS = {"hf_dynamic": 5.0, "hf_static": 5.0, "nnx": 1.2}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 8192 + 512
+
+    def hf_kwargs(self) -> dict:
+        return dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+        )
+
+
+FULL = BenchConfig()
+TINY = BenchConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_models(config: BenchConfig, directory: str, *, seed: int = 0):
+    """A random HF LlamaForCausalLM and the jaxkv Llama holding the same weights."""
+    import torch
+    import transformers
+
+    from jaxkv.models import from_pretrained
+
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.hf_kwargs())).eval()
+    hf.save_pretrained(directory)
+    return hf, from_pretrained(directory).model
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, c: BenchConfig, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(c.hidden_size, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, in_features=c.hidden_size,
+            qkv_features=c.num_heads * c.head_dim, out_features=c.hidden_size, use_bias=False,
+            decode=True, rngs=rngs,
+        )
+        self.mlp_norm = nnx.RMSNorm(c.hidden_size, rngs=rngs)
+        self.gate = nnx.Linear(c.hidden_size, c.intermediate_size, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(c.hidden_size, c.intermediate_size, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(c.intermediate_size, c.hidden_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):  # [B, 1, E]
+        x = x + self.attn(self.attn_norm(x))
+        h = self.mlp_norm(x)
+        return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
+
+
+class NNXDecoder(nnx.Module):
+    """The same shapes as the Llama config, attention by ``nnx.MultiHeadAttention(decode=True)``."""
+
+    def __init__(self, c: BenchConfig, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(c, rngs) for _ in range(c.num_layers)])
+        self.norm = nnx.RMSNorm(c.hidden_size, rngs=rngs)
+        self.lm_head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs)
+
+    def fill_cache(self, batch: int, capacity: int, context: int, *, seed: int = 0) -> None:
+        """A cache of ``capacity`` slots whose first ``context`` hold random keys/values."""
+        rng = np.random.default_rng(seed)
+        for block in self.blocks:
+            attn = block.attn
+            attn.init_cache((batch, capacity, attn.in_features))
+            shape = attn.cached_key.shape
+            filled = np.zeros(shape, np.float32)
+            filled[:, :context] = rng.standard_normal((batch, context, *shape[2:]), np.float32)
+            attn.cached_key[...] = jnp.asarray(filled)
+            attn.cached_value[...] = jnp.asarray(filled[:, :, :, ::-1].copy())
+            attn.cache_index[...] = jnp.int32(context)
+
+    def __call__(self, tokens):  # [B, 1] -> [B, 1, V]
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+@nnx.jit
+def nnx_step(model: NNXDecoder, tokens):  # [B] -> [B]
+    return jnp.argmax(model(tokens[:, None])[:, 0], axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def best_time(fn, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
+    import jaxkv
+
+    ids = jnp.asarray(ids)
+
+    def run(n):
+        return lambda: jaxkv.generate(model, ids, n).tokens.block_until_ready()
+
+    run(steps + 1)(), run(1)()  # compile both programs
+    return (best_time(run(steps + 1), repeats) - best_time(run(1), repeats)) / steps
+
+
+def hf_generate(hf, ids: np.ndarray, steps: int, cache: str | None, stamps: list | None = None):
+    import torch
+
+    class Stamp:
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    if cache is not None:
+        kwargs["cache_implementation"] = cache
+    if stamps is not None:
+        kwargs["logits_processor"] = [Stamp()]
+    with torch.inference_mode():
+        return hf.generate(torch.as_tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long), **kwargs)
+
+
+def time_hf(hf, ids: np.ndarray, steps: int, cache: str | None, repeats: int) -> float:
+    runs = []
+    for _ in range(repeats):
+        stamps: list[float] = []
+        hf_generate(hf, ids, steps + 1, cache, stamps)
+        runs.append(float(np.median(np.diff(stamps))))
+    return min(runs)
+
+
+def time_nnx(config: BenchConfig, batch: int, context: int, steps: int, repeats: int, nnx_model=None) -> float:
+    model = nnx_model or NNXDecoder(config, nnx.Rngs(0))
+    tokens0 = jnp.zeros((batch,), jnp.int32)
+
+    def run():
+        model.fill_cache(batch, context + steps, context)
+        jax.block_until_ready(nnx.state(model, nnx.Cache))
+        start = time.perf_counter()
+        tokens = tokens0
+        for _ in range(steps):
+            tokens = nnx_step(model, tokens)
+        tokens.block_until_ready()
+        return (time.perf_counter() - start) / steps
+
+    run()  # compile
+    return min(run() for _ in range(repeats))
+
+
+def check_same_tokens(hf, model, ids: np.ndarray, steps: int) -> bool:
+    """jaxkv and transformers pick the same greedy tokens (same weights, same model)."""
+    import jaxkv
+
+    ours = np.asarray(jaxkv.generate(model, jnp.asarray(ids), steps).tokens)
+    theirs = hf_generate(hf, ids, steps, None).numpy()[:, ids.shape[1]:]
+    return bool((ours == theirs).all())
+
+
+def run_benchmark(config: BenchConfig, cells: list[tuple[int, int]], *, steps: int, repeats: int,
+                  strategies=STRATEGIES, threads: int | None = None, log=print) -> dict:
+    """Step time per strategy for each (batch, context) cell; returns the JSON payload."""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count())
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        hf, model = build_models(config, directory)
+        rng = np.random.default_rng(0)
+        parity = check_same_tokens(hf, model, rng.integers(1, config.vocab_size, (2, 16)), 8)
+        log(f"jaxkv == transformers greedy tokens (same weights): {parity}")
+        hf_generate(hf, rng.integers(1, config.vocab_size, (1, 16)), 4, None)  # warm torch up
+        nnx_model = NNXDecoder(config, nnx.Rngs(0)) if "nnx" in strategies else None
+        for batch, context in cells:
+            ids = rng.integers(1, config.vocab_size, (batch, context))
+            row = {"batch": batch, "context": context}
+            for name in strategies:
+                start = time.perf_counter()
+                if name == "jaxkv":
+                    row[name] = time_jaxkv(model, ids, steps, repeats)
+                elif name == "nnx":
+                    row[name] = time_nnx(config, batch, context, steps, repeats, nnx_model)
+                else:
+                    row[name] = time_hf(hf, ids, steps, None if name == "hf_dynamic" else "static", repeats)
+                log(f"  B={batch} C={context} {name}: {row[name] * 1e3:.3f} ms/step "
+                    f"({time.perf_counter() - start:.1f} s)")
+            rows.append(row)
+    return {
+        "machine": machine(),
+        "config": dataclasses.asdict(config),
+        "steps": steps,
+        "repeats": repeats,
+        "torch_threads": threads or os.cpu_count(),
+        "parity_greedy_tokens": parity,
+        "method": {
+            "jaxkv": "(best time of generate(N+1) - best time of generate(1)) / N, warm",
+            "hf_dynamic": "median gap between logits-processor calls in one model.generate, best of R runs",
+            "hf_static": "same, cache_implementation='static'",
+            "nnx": "N nnx.jit single-token steps over a pre-filled MultiHeadAttention(decode=True) cache / N, "
+                   "best of R runs",
+        },
+        "unit": "seconds per decode step (one token per row)",
+        "rows": rows,
+    }
+
+
+def report(payload: dict) -> list[list]:
+    """Prints the table: ms/step, tokens/s (batch x steps/s) and jaxkv's speed-up, met or not."""
+    strategies = [s for s in STRATEGIES if s in payload["rows"][0]]
+    others = [s for s in strategies if s != "jaxkv"]
+    headers = ["B", "context"] + [f"{s} ms" for s in strategies] + ["jaxkv tok/s"]
+    headers += [f"x {s} (goal {GOALS[s]}x)" for s in others]
+    table = []
+    for r in payload["rows"]:
+        cells = [r["batch"], r["context"]] + [f"{r[s] * 1e3:.2f}" for s in strategies]
+        cells.append(f"{r['batch'] / r['jaxkv']:.0f}" if r["jaxkv"] > 0 else "-")
+        for s in others:
+            if r["jaxkv"] <= 0:  # the N+1-token run was not measurably slower: noise, no ratio
+                cells.append("noise")
+                continue
+            ratio = r[s] / r["jaxkv"]
+            cells.append(f"{ratio:.2f} {'met' if ratio >= GOALS[s] else 'NOT met'}")
+        table.append(cells)
+    print_table(headers, table)
+    return table
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEMORY_CHILD = r"""
+import json, resource, sys
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp
+from flax import nnx
+import jaxkv
+from jaxkv.models import Llama, LlamaConfig
+def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+c = json.loads({config!r})
+tiny = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+jaxkv.generate(tiny, jnp.ones((1, 16), jnp.int32), 2).tokens.block_until_ready()
+baseline = rss()
+if {run!r}:
+    model = Llama(LlamaConfig(**c), rngs=nnx.Rngs(0))
+    ids = jnp.ones(({batch}, {context}), jnp.int32)
+    jaxkv.generate(model, ids, {steps}).tokens.block_until_ready()
+print(json.dumps({{"baseline": baseline, "peak": rss()}}))
+"""
+
+
+def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int) -> dict:
+    """Peak RSS of one jaxkv.generate call, each measurement in a fresh subprocess.
+
+    Baseline: the peak RSS of a process that imported everything and ran generate on the
+    tiny test model (JAX runtime, XLA compiler and jaxkv loaded, nothing big allocated).
+    Measured: a fresh process doing the same and then generate at (batch, context).
+    Reported: (measured peak - baseline) against weights + cache + activations from the
+    config, where activations are the largest live set of the prefill: the float32 logits
+    [B, P, V] (the model returns every position's logits), the MLP's two [B, P, F] and
+    a few [B, P, E]/[B, P, Hq*D] tensors (we count 4).
+    """
+    llama_config = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+    )
+
+    def child(run: bool) -> dict:
+        code = MEMORY_CHILD.format(root=str(ROOT), config=json.dumps(llama_config), run=run, batch=batch,
+                                   context=context, steps=steps)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    idle, busy = child(False), child(True)
+    c, f32 = config, 4
+    capacity = context + steps  # context is a power of two, so the prompt bucket is the context itself
+    weights = f32 * (
+        2 * c.vocab_size * c.hidden_size
+        + c.num_layers * (
+            c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            + c.num_heads * c.head_dim * c.hidden_size
+            + 3 * c.hidden_size * c.intermediate_size
+            + 2 * c.hidden_size
+        )
+        + c.hidden_size
+    )
+    cache = f32 * 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim
+    widest = max(c.hidden_size, c.num_heads * c.head_dim)
+    activations = f32 * batch * context * (c.vocab_size + 2 * c.intermediate_size + 4 * widest)
+    expected = weights + cache + activations
+    measured = busy["peak"] - idle["baseline"]
+    return {
+        "batch": batch, "context": context, "steps": steps,
+        "baseline_rss": idle["baseline"], "peak_rss": busy["peak"],
+        "peak_minus_baseline": measured, "weights": weights, "cache": cache, "activations": activations,
+        "expected": expected, "ratio": measured / expected,
+    }
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in payload["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    labels = {"jaxkv": "jaxkv.generate", "hf_dynamic": "transformers (dynamic cache)",
+              "hf_static": "transformers (static cache)", "nnx": "Flax NNX MultiHeadAttention(decode=True)"}
+    for ax, batch in zip(axes[0], batches):
+        rows = sorted((r for r in payload["rows"] if r["batch"] == batch), key=lambda r: r["context"])
+        for s in STRATEGIES:
+            if s in rows[0]:
+                ax.plot([r["context"] for r in rows], [r[s] * 1e3 for r in rows], "o-", label=labels[s])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens in the cache)")
+        ax.set_ylabel("decode step time (ms)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    c = payload["config"]
+    fig.suptitle(f"Decode step time, Llama L={c['num_layers']} E={c['hidden_size']} Hq={c['num_heads']} "
+                 f"H={c['num_kv_heads']} D={c['head_dim']} V={c['vocab_size']}, f32, "
+                 f"{payload['machine']['backend']} ({payload['machine']['cpus']} cores, shared)", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-context-batch8", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--json", default=str(HERE / "results" / "generate.json"))
+    parser.add_argument("--png", default=str(ROOT / "docs" / "decode_step_time.png"))
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
+
+    if args.plot_only:
+        with open(args.json) as f:
+            plot(json.load(f), args.png)
+        return
+    if args.quick:
+        args.contexts, args.batches, args.steps, args.repeats = [128, 512], [1], 16, 2
+    cells = [(b, c) for b in args.batches for c in args.contexts if b == 1 or c <= args.max_context_batch8]
+    start = time.perf_counter()
+    payload = run_benchmark(FULL, cells, steps=args.steps, repeats=args.repeats)
+    report(payload)
+    if args.memory:
+        batch, context = (1, 1024) if args.quick else (1, 8192)
+        mem = memory_report(FULL, batch=batch, context=context, steps=16)
+        payload["memory"] = mem
+        mib = 2**20
+        print(f"memory B={batch} C={context}: peak RSS {mem['peak_rss'] / mib:.0f} MiB, baseline "
+              f"{mem['baseline_rss'] / mib:.0f} MiB, peak - baseline {mem['peak_minus_baseline'] / mib:.0f} MiB vs "
+              f"weights {mem['weights'] / mib:.0f} + cache {mem['cache'] / mib:.0f} + activations "
+              f"{mem['activations'] / mib:.0f} = {mem['expected'] / mib:.0f} MiB: ratio {mem['ratio']:.2f} "
+              f"({'met' if mem['ratio'] <= 1.1 else 'NOT met'}, goal <= 1.1)")
+    payload["wall_s"] = time.perf_counter() - start
+    print(f"total {payload['wall_s']:.0f} s")
+    if not args.quick:
+        write_json(args.json, payload)
+        plot(payload, args.png)
+
+
+if __name__ == "__main__":
+    main()
