@@ -141,6 +141,130 @@ def _check_repeats(repeats: Any, who: str) -> int:
     return r
 
 
+# Shared by every per-row cache kind (StaticCache here; the ring, quantized and hybrid
+# caches import them): one implementation of each check and rule.
+
+
+def _layer_index(layer_idx: Any, num_layers: int, who: str, *, allow_traced: bool = True) -> Any:
+    """A static int in range, or (``allow_traced``) a traced int32 scalar."""
+    i = _static_int(layer_idx)
+    if i is not None:
+        if not 0 <= i < num_layers:
+            raise ValueError(
+                f"{who}: layer_idx {i} is out of range for a cache with {num_layers} layers; "
+                f"valid indices are 0..{num_layers - 1}."
+            )
+        return i
+    if (
+        allow_traced
+        and isinstance(layer_idx, jax.Array)
+        and layer_idx.ndim == 0
+        and jnp.issubdtype(layer_idx.dtype, jnp.integer)
+    ):
+        return layer_idx.astype(jnp.int32)
+    raise TypeError(
+        f"{who}: layer_idx must be an int{' or a traced int32 scalar' if allow_traced else ''}, "
+        f"got {layer_idx!r}."
+    )
+
+
+def _write_target(layer: Any, num_layers: int) -> tuple[Any, Any, Any]:
+    """``(layer_ok, read_layer, write_layer)``; a bad traced layer writes out of bounds."""
+    if isinstance(layer, int):
+        return True, layer, layer
+    ok = (layer >= 0) & (layer < num_layers)
+    return ok, jnp.where(ok, layer, 0), jnp.where(ok, layer, num_layers)
+
+
+def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Array, Array]:
+    """``(count int32[B], invalid bool[B])`` for ``num_new`` (default: all T tokens)."""
+    if num_new is None:
+        return jnp.full((batch,), new_tokens, jnp.int32), jnp.zeros((batch,), bool)
+    count = jnp.asarray(num_new)
+    if count.ndim == 0:
+        count = jnp.broadcast_to(count, (batch,))
+    if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
+            f"got shape {count.shape} and dtype {count.dtype}."
+        )
+    count = count.astype(jnp.int32)
+    if not _is_traced(count):
+        host = np.asarray(count)
+        bad = (host < 0) | (host > new_tokens)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(
+                f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
+                f"(the states carry {new_tokens} new tokens)."
+            )
+    invalid = (count < 0) | (count > new_tokens)
+    return jnp.where(invalid, 0, count), invalid
+
+
+def _crop_targets(max_length: Any, lengths0: Array, batch: int, who: str) -> Array:
+    """int32[B] absolute target length per row, as ``StaticCache.crop`` defines it."""
+    m = jnp.asarray(max_length)
+    if not jnp.issubdtype(m.dtype, jnp.integer) or m.ndim not in (0, 1):
+        raise TypeError(
+            f"{who}: max_length must be an int or an int array [{batch}], "
+            f"got shape {m.shape} and dtype {m.dtype}."
+        )
+    if m.ndim == 1 and m.shape[0] != batch:
+        raise ValueError(f"{who}: per-row max_length needs {batch} entries, got {m.shape[0]}.")
+    m = jnp.broadcast_to(m.astype(jnp.int32), (batch,))
+    return jnp.where(m < 0, jnp.maximum(lengths0 + m, 0), m)
+
+
+def _check_reset_rows(rows: Any, batch: int, who: str) -> Array:
+    rows = jnp.asarray(rows)
+    if rows.shape != (batch,) or rows.dtype != jnp.bool_:
+        raise TypeError(
+            f"{who}: rows must be a bool array of shape [{batch}], got shape {rows.shape} "
+            f"and dtype {rows.dtype}."
+        )
+    return rows
+
+
+def _check_beam_idx(beam_idx: Any, batch: int, who: str) -> Array:
+    idx = _check_row_indices(beam_idx, batch, who)
+    if idx.shape[0] != batch:
+        raise ValueError(
+            f"{who}: beam_idx must have one entry per row ({batch}), got {idx.shape[0]}. "
+            "To change the batch size use batch_select_indices."
+        )
+    return idx
+
+
+def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str) -> None:
+    """Turns set flag bits into a ``CacheError`` naming the rows."""
+    flags = np.asarray(flags)
+    if not flags.any():
+        return
+    rows = np.flatnonzero(flags)
+    what = []
+    over = rows[(flags[rows] & OVERFLOW) != 0]
+    bad = rows[(flags[rows] & INVALID) != 0]
+    if over.size:
+        what.append(f"rows {over.tolist()} {overflow}")
+    if bad.size:
+        what.append(f"rows {bad.tolist()} {invalid}")
+    raise CacheError(f"{who}: " + "; ".join(what) + ". reset() clears the flags.")
+
+
+def _check_sizes(who: str, **sizes: Any) -> None:
+    for name, value in sizes.items():
+        if _static_int(value) is None or value < 1:
+            raise ValueError(f"{who}: {name} must be an int >= 1, got {value!r}.")
+
+
+def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{who}: dtype must be floating (float32, bfloat16, float16), got {dtype}.")
+    return dtype
+
+
 # ---------------------------------------------------------------------- DynamicCache
 
 
@@ -441,14 +565,8 @@ class StaticCache:
             head_dim=head_dim,
             max_length=max_length,
         )
-        for name, value in sizes.items():
-            if _static_int(value) is None or value < 1:
-                raise ValueError(f"StaticCache.init: {name} must be an int >= 1, got {value!r}.")
-        dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"StaticCache.init: dtype must be floating (float32, bfloat16, float16), got {dtype}."
-            )
+        _check_sizes("StaticCache.init", **sizes)
+        dtype = _floating_dtype(dtype, "StaticCache.init")
         buf_shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
         shardings = _cache_shardings(sharding)
 
@@ -611,23 +729,13 @@ class StaticCache:
 
     def check(self) -> StaticCache:
         """Raises ``CacheError`` on the host if any flag is set; returns ``self`` otherwise."""
-        flags = np.asarray(self.flags)
-        if flags.any():
-            rows = np.flatnonzero(flags)
-            what = []
-            overflow = rows[(flags[rows] & OVERFLOW) != 0]
-            invalid = rows[(flags[rows] & INVALID) != 0]
-            if overflow.size:
-                what.append(
-                    f"rows {overflow.tolist()} overflowed max_length={self.max_length} "
-                    "(tokens past capacity were dropped)"
-                )
-            if invalid.size:
-                what.append(f"rows {invalid.tolist()} got an out-of-range index or num_new")
-            raise CacheError(
-                "StaticCache: " + "; ".join(what) + ". Allocate a larger max_length or crop "
-                "before writing; reset() clears the flags."
-            )
+        _raise_on_flags(
+            self.flags,
+            "StaticCache",
+            overflow=f"overflowed max_length={self.max_length} (tokens past capacity were dropped; allocate "
+            "a larger max_length or crop before writing)",
+            invalid="got an out-of-range index or num_new",
+        )
         return self
 
     # ---- ops
@@ -667,37 +775,10 @@ class StaticCache:
         num_layers, batch, capacity = self.num_layers, self.batch_size, self.max_length
         new_tokens = key_states.shape[2]
 
-        invalid_row = jnp.zeros((batch,), bool)
-        if num_new is None:
-            count = jnp.full((batch,), new_tokens, jnp.int32)
-        else:
-            count = jnp.asarray(num_new)
-            if count.ndim == 0:
-                count = jnp.broadcast_to(count, (batch,))
-            if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
-                raise TypeError(
-                    f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
-                    f"got shape {count.shape} and dtype {count.dtype}."
-                )
-            count = count.astype(jnp.int32)
-            if not _is_traced(count):
-                host = np.asarray(count)
-                bad = (host < 0) | (host > new_tokens)
-                if bad.any():
-                    row = int(np.argmax(bad))
-                    raise ValueError(
-                        f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
-                        f"(the states carry {new_tokens} new tokens)."
-                    )
-            invalid_row = (count < 0) | (count > new_tokens)
-            count = jnp.where(invalid_row, 0, count)
+        count, invalid_row = _new_counts(num_new, batch, new_tokens, who)
 
-        if isinstance(layer, int):  # static index: plain slices in the compiled program
-            layer_ok, safe_layer, write_layer = True, layer, layer
-        else:
-            layer_ok = (layer >= 0) & (layer < num_layers)
-            safe_layer = jnp.where(layer_ok, layer, 0)
-            write_layer = jnp.where(layer_ok, layer, num_layers)  # out of bounds: dropped
+        # A bad traced layer index writes out of bounds (dropped) and reads layer 0.
+        layer_ok, safe_layer, write_layer = _write_target(layer, num_layers)
         old = self.lengths[safe_layer]  # [B]
         if not _is_traced(old, count, layer):
             total = np.asarray(old) + np.asarray(count)
@@ -742,18 +823,7 @@ class StaticCache:
         The cropped slots stay in the buffer but are past the length, so a later update
         overwrites them: crop then update equals never having stored the cropped tokens.
         """
-        m = jnp.asarray(max_length)
-        if not jnp.issubdtype(m.dtype, jnp.integer) or m.ndim not in (0, 1):
-            raise TypeError(
-                f"StaticCache.crop: max_length must be an int or an int array [{self.batch_size}], "
-                f"got shape {m.shape} and dtype {m.dtype}."
-            )
-        if m.ndim == 1 and m.shape[0] != self.batch_size:
-            raise ValueError(
-                f"StaticCache.crop: per-row max_length needs {self.batch_size} entries, got {m.shape[0]}."
-            )
-        m = jnp.broadcast_to(m.astype(jnp.int32), (self.batch_size,))
-        target = jnp.where(m < 0, jnp.maximum(self.lengths[0] + m, 0), m)  # [B]
+        target = _crop_targets(max_length, self.lengths[0], self.batch_size, "StaticCache.crop")  # [B]
         return dataclasses.replace(
             self, lengths=jnp.minimum(self.lengths, target[None, :])
         )._constrained()
@@ -772,14 +842,7 @@ class StaticCache:
 
     def reorder_cache(self, beam_idx: Any) -> StaticCache:
         """Gathers rows by ``beam_idx`` (int[B]) for beam search; same batch size."""
-        idx = _check_row_indices(beam_idx, self.batch_size, "StaticCache.reorder_cache")
-        if idx.shape[0] != self.batch_size:
-            raise ValueError(
-                f"StaticCache.reorder_cache: beam_idx must have one entry per row "
-                f"({self.batch_size}), got {idx.shape[0]}. To change the batch size use "
-                "batch_select_indices."
-            )
-        return self._gather_rows(idx)
+        return self._gather_rows(_check_beam_idx(beam_idx, self.batch_size, "StaticCache.reorder_cache"))
 
     def batch_select_indices(self, indices: Any) -> StaticCache:
         """Keeps only the rows in ``indices`` (int[N]), in that order."""
@@ -808,12 +871,7 @@ class StaticCache:
             return dataclasses.replace(
                 self, lengths=jnp.zeros_like(self.lengths), flags=jnp.zeros_like(self.flags)
             )._constrained()
-        rows = jnp.asarray(rows)
-        if rows.shape != (self.batch_size,) or rows.dtype != jnp.bool_:
-            raise TypeError(
-                f"StaticCache.reset: rows must be a bool array of shape [{self.batch_size}], "
-                f"got shape {rows.shape} and dtype {rows.dtype}."
-            )
+        rows = _check_reset_rows(rows, self.batch_size, "StaticCache.reset")
         return dataclasses.replace(
             self,
             lengths=jnp.where(rows[None, :], 0, self.lengths),
@@ -842,25 +900,7 @@ class StaticCache:
         )
 
     def _layer(self, layer_idx: Any, who: str, *, allow_traced: bool = True) -> Any:
-        i = _static_int(layer_idx)
-        if i is not None:
-            if not 0 <= i < self.num_layers:
-                raise ValueError(
-                    f"{who}: layer_idx {i} is out of range for a cache with {self.num_layers} "
-                    f"layers; valid indices are 0..{self.num_layers - 1}."
-                )
-            return i
-        if (
-            allow_traced
-            and isinstance(layer_idx, jax.Array)
-            and layer_idx.ndim == 0
-            and jnp.issubdtype(layer_idx.dtype, jnp.integer)
-        ):
-            return layer_idx.astype(jnp.int32)
-        raise TypeError(
-            f"{who}: layer_idx must be an int{' or a traced int32 scalar' if allow_traced else ''}, "
-            f"got {layer_idx!r}."
-        )
+        return _layer_index(layer_idx, self.num_layers, who, allow_traced=allow_traced)
 
 
 def _cache_shardings(sharding: Any) -> StaticCache | None:

@@ -31,20 +31,18 @@ from jax.tree_util import register_dataclass
 
 from jaxkv.attention import token_positions
 from jaxkv.cache import (
-    INVALID,
     DynamicCache,
+    INVALID,
+    _check_beam_idx,
     _check_repeats,
+    _check_reset_rows,
     _check_row_indices,
     _check_states,
     _is_traced,
-)
-from jaxkv.sliding import (
-    LayerView,
-    _check_beam_idx,
-    _check_reset_rows,
     _layer_index,
     _raise_on_flags,
 )
+from jaxkv.sliding import LayerView
 
 Array = jax.Array
 

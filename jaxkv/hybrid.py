@@ -28,20 +28,16 @@ from jaxkv.attention import cache_attention
 from jaxkv.cache import (
     OVERFLOW,
     StaticCache,
+    _check_beam_idx,
     _check_repeats,
+    _check_reset_rows,
     _check_row_indices,
+    _crop_targets,
     _is_traced,
+    _raise_on_flags,
     _static_int,
 )
-from jaxkv.sliding import (
-    NO_POSITION,
-    LayerView,
-    SlidingWindowCache,
-    _check_beam_idx,
-    _check_reset_rows,
-    _crop_targets,
-    _raise_on_flags,
-)
+from jaxkv.sliding import NO_POSITION, LayerView, SlidingWindowCache
 
 Array = jax.Array
 

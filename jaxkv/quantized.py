@@ -37,26 +37,24 @@ from jax.tree_util import register_dataclass
 from jaxkv.cache import (
     INVALID,
     OVERFLOW,
+    _check_beam_idx,
     _check_layout,
     _check_repeats,
-    _check_row_indices,
-    _check_states,
-    _flag,
-    _is_traced,
-    _static_int,
-)
-from jaxkv.sliding import (
-    LayerView,
-    _check_beam_idx,
     _check_reset_rows,
+    _check_row_indices,
     _check_sizes,
+    _check_states,
     _crop_targets,
+    _flag,
     _floating_dtype,
+    _is_traced,
     _layer_index,
     _new_counts,
     _raise_on_flags,
+    _static_int,
     _write_target,
 )
+from jaxkv.sliding import LayerView
 
 Array = jax.Array
 

@@ -46,14 +46,22 @@ from jax.tree_util import register_dataclass
 from jaxkv.cache import (
     INVALID,
     OVERFLOW,
-    CacheError,
+    _check_beam_idx,
     _check_layout,
     _check_repeats,
+    _check_reset_rows,
     _check_row_indices,
+    _check_sizes,
     _check_states,
+    _crop_targets,
     _flag,
+    _floating_dtype,
     _is_traced,
+    _layer_index,
+    _new_counts,
+    _raise_on_flags,
     _static_int,
+    _write_target,
 )
 
 Array = jax.Array
@@ -80,126 +88,6 @@ class LayerView(NamedTuple):
 
 
 # ------------------------------------------------------ helpers shared by the cache kinds
-
-
-def _layer_index(layer_idx: Any, num_layers: int, who: str, *, allow_traced: bool = True) -> Any:
-    """A static int in range, or (``allow_traced``) a traced int32 scalar."""
-    i = _static_int(layer_idx)
-    if i is not None:
-        if not 0 <= i < num_layers:
-            raise ValueError(
-                f"{who}: layer_idx {i} is out of range for a cache with {num_layers} layers; "
-                f"valid indices are 0..{num_layers - 1}."
-            )
-        return i
-    if (
-        allow_traced
-        and isinstance(layer_idx, jax.Array)
-        and layer_idx.ndim == 0
-        and jnp.issubdtype(layer_idx.dtype, jnp.integer)
-    ):
-        return layer_idx.astype(jnp.int32)
-    raise TypeError(
-        f"{who}: layer_idx must be an int{' or a traced int32 scalar' if allow_traced else ''}, "
-        f"got {layer_idx!r}."
-    )
-
-
-def _write_target(layer: Any, num_layers: int) -> tuple[Any, Any, Any]:
-    """``(layer_ok, read_layer, write_layer)``; a bad traced layer writes out of bounds."""
-    if isinstance(layer, int):
-        return True, layer, layer
-    ok = (layer >= 0) & (layer < num_layers)
-    return ok, jnp.where(ok, layer, 0), jnp.where(ok, layer, num_layers)
-
-
-def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Array, Array]:
-    """``(count int32[B], invalid bool[B])`` for ``num_new`` (default: all T tokens)."""
-    if num_new is None:
-        return jnp.full((batch,), new_tokens, jnp.int32), jnp.zeros((batch,), bool)
-    count = jnp.asarray(num_new)
-    if count.ndim == 0:
-        count = jnp.broadcast_to(count, (batch,))
-    if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
-        raise TypeError(
-            f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
-            f"got shape {count.shape} and dtype {count.dtype}."
-        )
-    count = count.astype(jnp.int32)
-    if not _is_traced(count):
-        host = np.asarray(count)
-        bad = (host < 0) | (host > new_tokens)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise ValueError(
-                f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
-                f"(the states carry {new_tokens} new tokens)."
-            )
-    invalid = (count < 0) | (count > new_tokens)
-    return jnp.where(invalid, 0, count), invalid
-
-
-def _crop_targets(max_length: Any, lengths0: Array, batch: int, who: str) -> Array:
-    """int32[B] absolute target length per row, as ``StaticCache.crop`` defines it."""
-    m = jnp.asarray(max_length)
-    if not jnp.issubdtype(m.dtype, jnp.integer) or m.ndim not in (0, 1):
-        raise TypeError(
-            f"{who}: max_length must be an int or an int array [{batch}], "
-            f"got shape {m.shape} and dtype {m.dtype}."
-        )
-    if m.ndim == 1 and m.shape[0] != batch:
-        raise ValueError(f"{who}: per-row max_length needs {batch} entries, got {m.shape[0]}.")
-    m = jnp.broadcast_to(m.astype(jnp.int32), (batch,))
-    return jnp.where(m < 0, jnp.maximum(lengths0 + m, 0), m)
-
-
-def _check_reset_rows(rows: Any, batch: int, who: str) -> Array:
-    rows = jnp.asarray(rows)
-    if rows.shape != (batch,) or rows.dtype != jnp.bool_:
-        raise TypeError(
-            f"{who}: rows must be a bool array of shape [{batch}], got shape {rows.shape} "
-            f"and dtype {rows.dtype}."
-        )
-    return rows
-
-
-def _check_beam_idx(beam_idx: Any, batch: int, who: str) -> Array:
-    idx = _check_row_indices(beam_idx, batch, who)
-    if idx.shape[0] != batch:
-        raise ValueError(
-            f"{who}: beam_idx must have one entry per row ({batch}), got {idx.shape[0]}. "
-            "To change the batch size use batch_select_indices."
-        )
-    return idx
-
-
-def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str) -> None:
-    """Turns set flag bits into a ``CacheError`` naming the rows."""
-    flags = np.asarray(flags)
-    if not flags.any():
-        return
-    rows = np.flatnonzero(flags)
-    what = []
-    over = rows[(flags[rows] & OVERFLOW) != 0]
-    bad = rows[(flags[rows] & INVALID) != 0]
-    if over.size:
-        what.append(f"rows {over.tolist()} {overflow}")
-    if bad.size:
-        what.append(f"rows {bad.tolist()} {invalid}")
-    raise CacheError(f"{who}: " + "; ".join(what) + ". reset() clears the flags.")
-
-
-def _check_sizes(who: str, **sizes: Any) -> None:
-    for name, value in sizes.items():
-        if _static_int(value) is None or value < 1:
-            raise ValueError(f"{who}: {name} must be an int >= 1, got {value!r}.")
-
-
-def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{who}: dtype must be floating (float32, bfloat16, float16), got {dtype}.")
-    return dtype
 
 
 def _slot_positions(lengths: Array, starts: Array, capacity: int) -> Array:
