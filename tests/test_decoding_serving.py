@@ -55,7 +55,10 @@ def _check(done, requests, alone, eos):
         assert completion.finish_reason == ("eos" if completion.tokens[-1] == eos else "length")
 
 
-def test_every_request_gets_its_tokens_alone(loop, alone, eos):
+@pytest.mark.parametrize("prefill_rows", [1, 2, SLOTS])
+def test_every_request_gets_its_tokens_alone(model, alone, eos, prefill_rows):
+    loop = ServingLoop(model, num_slots=SLOTS, max_length=CAPACITY, chunk_size=CHUNK, eos_token_id=eos,
+                       prefill_rows=prefill_rows)
     done = loop.run(REQUESTS)
     _check(done, REQUESTS, alone, eos)
     assert {c.finish_reason for c in done} == {"eos", "length"}
@@ -100,3 +103,5 @@ def test_rejects_requests_that_do_not_fit(loop, model):
         loop.run([Request([], 4)])
     with pytest.raises(ValueError, match="policy must be"):
         ServingLoop(model, num_slots=2, max_length=8, policy="fifo")
+    with pytest.raises(ValueError, match=r"prefill_rows \(3\) must be <= num_slots \(2\)"):
+        ServingLoop(model, num_slots=2, max_length=8, prefill_rows=3)

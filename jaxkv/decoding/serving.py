@@ -4,10 +4,13 @@ The cache has ``num_slots`` rows. Each row (slot) serves one request at a time:
 
 * **admit**: a free slot takes the next waiting request; its row is emptied with
   ``cache.reset(rows=...)`` (lengths and flags only, no data moves);
-* **prefill**: the prompt enters that row in chunks of ``chunk_size`` tokens (one
-  ``[S, C]`` forward per chunk, :func:`jaxkv.decoding.prefill_chunk`) with ``num_new`` =
-  the row's chunk length and 0 for every other row, so the other rows keep their caches
-  untouched while one (or several) rows prefill;
+* **prefill**: the prompt enters that row in chunks of ``chunk_size`` tokens
+  (:func:`jaxkv.decoding.prefill_chunk`), ``num_new`` = each row's chunk length, while the
+  other rows keep their caches untouched. Up to ``prefill_rows`` (R) rows prefill per step:
+  with R < S they are gathered into an R-row cache (``batch_select_indices``), run as one
+  ``[R, C]`` forward and written back to their slots, so one refilled slot costs a
+  ``[R, C]`` forward instead of an ``[S, C]`` one; with R = S the whole batch runs with
+  ``num_new = 0`` on the rows that are not prefilling;
 * **decode**: one ``[S, 1]`` forward per step for every row that is generating,
   ``num_new = 0`` for the rest;
 * **retire**: a request finishes at its EOS (kept) or after ``max_new_tokens``; its slot is
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.cache import StaticCache
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
 from jaxkv.sampling import greedy
@@ -89,14 +93,31 @@ class _Slot:
     request_id: Any
     admitted_step: int
     prefilled: int = 0
+    fresh: bool = True  # its row still holds the previous request: reset on the first chunk
     tokens: list[int] = dataclasses.field(default_factory=list)
 
 
-def _prefill_program(graphdef, counter, state, cache, tokens, num_new, reset):
+def _put_rows(cache: StaticCache, rows: jax.Array, part: StaticCache) -> StaticCache:
+    """Writes ``part``'s rows into ``cache`` at ``rows`` (int32[R]); out-of-range rows are dropped."""
+    return dataclasses.replace(
+        cache,
+        keys=cache.keys.at[:, rows].set(part.keys, mode="drop"),
+        values=cache.values.at[:, rows].set(part.values, mode="drop"),
+        lengths=cache.lengths.at[:, rows].set(part.lengths, mode="drop"),
+        flags=cache.flags.at[rows].set(part.flags, mode="drop"),
+    )
+
+
+def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, reset):
+    # rows: int32[R] slots (>= S: an unused entry); tokens [R, C]; num_new [R]; reset bool[R].
     counter["prefill"] += 1  # runs only while tracing: counts compilations
-    cache = cache.reset(rows=reset)
-    last, _, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
-    return greedy(last), cache
+    if rows.shape[0] == cache.batch_size:  # the whole batch: masking alone, rows in order
+        cache = cache.reset(rows=reset)
+        last, _, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
+        return greedy(last), cache
+    part = cache.batch_select_indices(rows).reset(rows=reset)
+    last, _, part = prefill_chunk(graphdef, state, part, tokens, num_new)
+    return greedy(last), _put_rows(cache, rows, part)
 
 
 def _decode_program(graphdef, counter, state, cache, tokens, active):
@@ -114,6 +135,9 @@ class ServingLoop:
         max_length: cache capacity per slot; a request needs
             ``len(prompt) + max_new_tokens - 1 <= max_length``.
         chunk_size: C, prompt tokens per prefill chunk.
+        prefill_rows: R, rows prefilled per step (1 <= R <= S). Default: S for the static
+            policy (a batch prefills together), ``max(1, S // 4)`` for continuous batching
+            (slots free up one at a time).
         eos_token_id: the token that ends a request (kept in its output), or None.
         policy: ``"continuous"`` (refill a slot as soon as it frees) or ``"static"``
             (admit a new batch only when all slots are free: the baseline).
@@ -132,6 +156,7 @@ class ServingLoop:
         num_slots: int,
         max_length: int,
         chunk_size: int = 32,
+        prefill_rows: int | None = None,
         eos_token_id: int | None = None,
         policy: str = "continuous",
         cache_dtype: Any = None,
@@ -144,6 +169,11 @@ class ServingLoop:
         if policy not in ("continuous", "static"):
             raise ValueError(f"{who}: policy must be 'continuous' or 'static', got {policy!r}")
         self.policy = policy
+        if prefill_rows is None:
+            prefill_rows = self.num_slots if policy == "static" else max(1, self.num_slots // 4)
+        self.prefill_rows = check_positive_int(prefill_rows, "prefill_rows", who)
+        if self.prefill_rows > self.num_slots:
+            raise ValueError(f"{who}: prefill_rows ({prefill_rows}) must be <= num_slots ({num_slots})")
         self._graphdef, self._state = nnx.split(model)
         self._cache = model.init_cache(self.num_slots, self.max_length, dtype=cache_dtype)
         self._counter = collections.Counter()
@@ -190,6 +220,7 @@ class ServingLoop:
         index_of = {}
         step = 0
         prefill_calls = decode_calls = 0
+        prefill_s = decode_s = 0.0
         start = time.perf_counter()
         s, c = self.num_slots, self.chunk_size
 
@@ -211,31 +242,40 @@ class ServingLoop:
         while len(done) < len(requests):
             while pending and requests[pending[0]].arrival <= step:
                 waiting.append(pending.pop(0))
-            reset = np.zeros((s,), bool)
             if self.policy == "continuous" or all(slot is None for slot in slots):
                 for row in range(s):
                     if slots[row] is None and waiting:
                         i = waiting.popleft()
                         slots[row] = _Slot(requests[i], ids[i], step)
                         index_of[row] = i
-                        reset[row] = True
 
-            prefilling = [row for row in range(s) if slots[row] and slots[row].prefilled < len(slots[row].request.prompt)]
+            # Rows with prompt left, earliest admitted first, up to R of them.
+            prefilling = sorted(
+                (row for row in range(s) if slots[row] and slots[row].prefilled < len(slots[row].request.prompt)),
+                key=lambda row: (slots[row].admitted_step, row),
+            )[: self.prefill_rows]
             if prefilling:
-                tokens = np.zeros((s, c), np.int32)
-                num_new = np.zeros((s,), np.int32)
-                for row in prefilling:
+                r = self.prefill_rows
+                rows = np.full((r,), s, np.int32) if r < s else np.arange(s, dtype=np.int32)
+                tokens = np.zeros((r, c), np.int32)
+                num_new = np.zeros((r,), np.int32)
+                reset = np.zeros((r,), bool)
+                # Entry j of the R-row batch holds the j-th prefilling row; with R = S, row order.
+                place = {row: (j if r < s else row) for j, row in enumerate(prefilling)}
+                for row, j in place.items():
                     slot = slots[row]
                     chunk = slot.request.prompt[slot.prefilled : slot.prefilled + c]
-                    tokens[row, : len(chunk)] = chunk
-                    num_new[row] = len(chunk)
+                    rows[j], tokens[j, : len(chunk)], num_new[j], reset[j] = row, chunk, len(chunk), slot.fresh
                     slot.prefilled += len(chunk)
-                first, self._cache = self._prefill(self._state, self._cache, tokens, num_new, reset)
-                prefill_calls += 1
+                    slot.fresh = False
+                tick = time.perf_counter()
+                first, self._cache = self._prefill(self._state, self._cache, rows, tokens, num_new, reset)
                 first = np.asarray(first)
-                for row in prefilling:
+                prefill_s += time.perf_counter() - tick
+                prefill_calls += 1
+                for row, j in place.items():
                     if slots[row].prefilled == len(slots[row].request.prompt):
-                        after_token(row, int(first[row]))
+                        after_token(row, int(first[j]))
 
             # Rows with a first token generate; one whose prompt just ended joins at once.
             decoding = [row for row in range(s) if slots[row] and slots[row].tokens]
@@ -245,9 +285,11 @@ class ServingLoop:
                 for row in decoding:
                     tokens[row] = slots[row].tokens[-1]
                     active[row] = True
+                tick = time.perf_counter()
                 nxt, self._cache = self._decode(self._state, self._cache, tokens, active)
-                decode_calls += 1
                 nxt = np.asarray(nxt)
+                decode_s += time.perf_counter() - tick
+                decode_calls += 1
                 for row in decoding:
                     after_token(row, int(nxt[row]))
             step += 1
@@ -258,6 +300,8 @@ class ServingLoop:
             steps=step,
             prefill_calls=prefill_calls,
             decode_calls=decode_calls,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
             generated_tokens=generated,
             wall_s=wall,
             tokens_per_s=generated / wall if wall > 0 else float("inf"),
