@@ -435,7 +435,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-context-batch8", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--json", default=str(HERE / "results" / "generate.json"))
