@@ -265,6 +265,44 @@ def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:
     return dtype
 
 
+class _RowCache:
+    """Shape facts and the sequence protocol of the per-row cache kinds.
+
+    For frozen dataclasses whose ``keys`` leaf is ``[L, B, H, ...]`` and which carry
+    ``flags: int32[B]`` and a ``seq_lengths(layer_idx)`` method (StaticCache, the sliding
+    ring and the quantized cache).
+    """
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def overflowed(self) -> Array:
+        """bool[B]: rows that lost a token to a write past capacity (sticky until reset)."""
+        return (self.flags & OVERFLOW) != 0
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self) -> Iterator[tuple[Array, Array]]:
+        for i in range(self.num_layers):
+            yield self[i]
+
+    def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
+        """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
+        longest = jnp.max(self.seq_lengths(layer_idx))
+        return longest if _is_traced(longest) else int(longest)
+
+
 # ---------------------------------------------------------------------- DynamicCache
 
 
@@ -494,7 +532,7 @@ def _gather_rows_nan(x: Array, idx: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticCache:
+class StaticCache(_RowCache):
     """Preallocated cache with per-row fill levels, for jitted decode loops.
 
     Row ``b`` of layer ``l`` holds ``lengths[l, b]`` tokens in slots ``0 .. lengths-1``;
@@ -662,18 +700,6 @@ class StaticCache:
     # ---- shape facts (static)
 
     @property
-    def num_layers(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def max_length(self) -> int:
         return self.keys.shape[3]
 
@@ -685,23 +711,11 @@ class StaticCache:
     def dtype(self) -> jnp.dtype:
         return self.keys.dtype
 
-    @property
-    def overflowed(self) -> Array:
-        """bool[B]: rows that lost a token to a write past ``max_length``."""
-        return (self.flags & OVERFLOW) != 0
-
     # ---- sequence protocol
-
-    def __len__(self) -> int:
-        return self.num_layers
 
     def __getitem__(self, layer_idx: int) -> tuple[Array, Array]:
         i = self._layer(layer_idx, "StaticCache.__getitem__", allow_traced=False)
         return self.keys[i], self.values[i]
-
-    def __iter__(self) -> Iterator[tuple[Array, Array]]:
-        for i in range(self.num_layers):
-            yield self[i]
 
     # ---- queries
 
@@ -709,11 +723,6 @@ class StaticCache:
         """int32[B]: tokens stored per row in ``layer_idx``."""
         i = self._layer(layer_idx, "StaticCache.seq_lengths")
         return self.lengths[i]
-
-    def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
-        """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
-        longest = jnp.max(self.seq_lengths(layer_idx))
-        return longest if _is_traced(longest) else int(longest)
 
     def get_max_length(self) -> int:
         """The capacity ``S``."""

@@ -26,7 +26,6 @@ is dropped and flagged ``OVERFLOW`` under jit; bad traced indices flag ``INVALID
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -35,6 +34,7 @@ import numpy as np
 from jax.tree_util import register_dataclass
 
 from jaxkv.cache import (
+    _RowCache,
     INVALID,
     OVERFLOW,
     _check_beam_idx,
@@ -121,7 +121,7 @@ def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) 
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizedCache:
+class QuantizedCache(_RowCache):
     """Preallocated int8/int4 cache with per-token, per-head scales and an optional
     full-precision residual of the most recent tokens.
 
@@ -223,18 +223,6 @@ class QuantizedCache:
     # ---- shape facts (static)
 
     @property
-    def num_layers(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def max_length(self) -> int:
         return self.keys.shape[3]
 
@@ -246,35 +234,18 @@ class QuantizedCache:
     def residual_length(self) -> int:
         return self.residual_keys.shape[3]
 
-    @property
-    def overflowed(self) -> Array:
-        """bool[B]: rows that lost a token to a write past ``max_length``."""
-        return (self.flags & OVERFLOW) != 0
-
     # ---- sequence protocol
-
-    def __len__(self) -> int:
-        return self.num_layers
 
     def __getitem__(self, layer_idx: int) -> tuple[Array, Array]:
         """The layer dequantized: ``(keys, values)`` [B, H, S, D] in the model dtype."""
         i = _layer_index(layer_idx, self.num_layers, "QuantizedCache.__getitem__", allow_traced=False)
         return self._dequantized(i)
 
-    def __iter__(self) -> Iterator[tuple[Array, Array]]:
-        for i in range(self.num_layers):
-            yield self[i]
-
     # ---- queries
 
     def seq_lengths(self, layer_idx: Any = 0) -> Array:
         """int32[B]: tokens stored per row in ``layer_idx``."""
         return self.lengths[_layer_index(layer_idx, self.num_layers, "QuantizedCache.seq_lengths")]
-
-    def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
-        """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
-        longest = jnp.max(self.seq_lengths(layer_idx))
-        return longest if _is_traced(longest) else int(longest)
 
     def get_max_length(self) -> int:
         """The capacity ``S``."""

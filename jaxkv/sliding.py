@@ -35,7 +35,6 @@ window needs). ``check()`` turns flags into a ``CacheError`` on the host.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -44,8 +43,8 @@ import numpy as np
 from jax.tree_util import register_dataclass
 
 from jaxkv.cache import (
+    _RowCache,
     INVALID,
-    OVERFLOW,
     _check_beam_idx,
     _check_layout,
     _check_repeats,
@@ -109,7 +108,7 @@ def _zero_empty(values: Array, positions: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlidingWindowCache:
+class SlidingWindowCache(_RowCache):
     """Ring-buffer cache of ``C = window + extra_slots`` slots per layer and row.
 
     Row ``b`` of layer ``l`` has seen ``lengths[l, b]`` tokens and still holds positions
@@ -201,18 +200,6 @@ class SlidingWindowCache:
     # ---- shape facts (static)
 
     @property
-    def num_layers(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def capacity(self) -> int:
         """Ring slots C = window + extra_slots."""
         return self.keys.shape[3]
@@ -229,35 +216,18 @@ class SlidingWindowCache:
     def dtype(self) -> jnp.dtype:
         return self.keys.dtype
 
-    @property
-    def overflowed(self) -> Array:
-        """bool[B]: always False (a ring never runs out of room); kept for the vocabulary."""
-        return (self.flags & OVERFLOW) != 0
-
     # ---- sequence protocol
-
-    def __len__(self) -> int:
-        return self.num_layers
 
     def __getitem__(self, layer_idx: int) -> tuple[Array, Array]:
         """The ring buffers ``(keys, values)`` [B, H, C, D] of a layer, in slot order."""
         i = _layer_index(layer_idx, self.num_layers, "SlidingWindowCache.__getitem__", allow_traced=False)
         return self.keys[i], self.values[i]
 
-    def __iter__(self) -> Iterator[tuple[Array, Array]]:
-        for i in range(self.num_layers):
-            yield self[i]
-
     # ---- queries
 
     def seq_lengths(self, layer_idx: Any = 0) -> Array:
         """int32[B]: tokens seen per row in ``layer_idx`` (not only those still held)."""
         return self.lengths[_layer_index(layer_idx, self.num_layers, "SlidingWindowCache.seq_lengths")]
-
-    def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
-        """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
-        longest = jnp.max(self.seq_lengths(layer_idx))
-        return longest if _is_traced(longest) else int(longest)
 
     def get_max_length(self) -> None:
         """None: a ring has no limit on sequence length (``capacity`` is its slot count)."""
