@@ -8,9 +8,9 @@ compiled programs and slot count:
 * ``static``: requests run in batches of ``--slots`` in arrival order, and each batch
   waits for its longest request before the next is admitted.
 
-Throughput is generated tokens per wall-clock second of the whole run (the median of
-``--repeats`` runs per policy, interleaved); the ratio of the two comes from one process,
-after a warm-up run compiled both programs. Both policies
+Throughput is generated tokens per wall-clock second of the whole run (the fastest of
+``--repeats`` runs per policy, interleaved so that load from other processes hits both);
+the ratio of the two comes from one process, after a warm-up run compiled both programs. Both policies
 must return identical tokens (greedy), which the script checks.
 
     python benchmarks/bench_serving.py          # table + benchmarks/results/serving.json
@@ -55,7 +55,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, nargs=2, default=[8, 192], metavar=("MIN", "MAX"))
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median run is reported")
+    p.add_argument("--repeats", type=int, default=5, help="runs per policy, interleaved; the fastest is reported")
     p.add_argument("--out", default=str(REPO / "benchmarks/results/serving.json"))
     args = p.parse_args(argv)
 
@@ -77,8 +77,9 @@ def main(argv=None):
             runs[policy].append(dict(loop.stats, compile_counts=loop.compile_counts))
     results = {}
     for policy, stats in runs.items():
+        # The fastest run: on a shared machine other processes only ever add time.
         stats.sort(key=lambda r: r["wall_s"])
-        results[policy] = dict(stats[len(stats) // 2], wall_s_all_runs=[r["wall_s"] for r in stats])
+        results[policy] = dict(stats[0], wall_s_all_runs=[r["wall_s"] for r in stats])
     same = all(a.tokens == b.tokens for a, b in zip(completions["continuous"], completions["static"]))
     if not same:
         raise SystemExit("continuous and static batching returned different tokens")
@@ -96,11 +97,18 @@ def main(argv=None):
                  "wall s", "tokens/s"], rows)
     print(f"continuous / static throughput: {ratio:.2f}x (identical tokens: {same})")
     write_json(args.out, dict(
-        command="python benchmarks/bench_serving.py " + " ".join(argv or sys.argv[1:]),
-        model=args.model, slots=args.slots, requests=args.requests, prompt_tokens=args.prompt_tokens,
+        command=("python benchmarks/bench_serving.py " + " ".join(argv or sys.argv[1:])).strip(),
+        model=_rel(args.model), slots=args.slots, requests=args.requests, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, chunk=args.chunk, seed=args.seed, max_length=max_length,
         results=results, throughput_ratio_continuous_over_static=ratio, identical_tokens=same, machine=machine(),
     ))
+
+
+def _rel(path):
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

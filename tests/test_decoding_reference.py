@@ -7,7 +7,6 @@ that position cannot influence it (causal attention), so one compiled program of
 operations; these references use neither.
 """
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
