@@ -30,9 +30,14 @@ demo-caches: $(STAMP_BASE)
 test: $(STAMP_TEST)
 	$(PY) -m pytest -q tests --nbmake notebooks
 
+# Every benchmark, each printing its table and writing benchmarks/results/*.json.
 bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_attention.py
+	$(PY) benchmarks/bench_cache_kinds.py
+	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_serving.py
+	$(PY) benchmarks/bench_speculative.py
 
 clean:
 	rm -rf $(VENV)
