@@ -305,13 +305,16 @@ def report(payload: dict) -> list[list]:
 
 
 MEMORY_CHILD = r"""
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp
 from flax import nnx
 import jaxkv
 from jaxkv.models import Llama, LlamaConfig
-def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss():  # VmHWM, not getrusage's ru_maxrss: Linux carries maxrss over fork+exec from the parent
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
 c = json.loads({config!r})
 tiny = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
 jaxkv.generate(tiny, jnp.ones((1, 16), jnp.int32), 2).tokens.block_until_ready()
@@ -338,6 +341,9 @@ print(json.dumps(out))
 
 def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int) -> dict:
     """Peak RSS of one jaxkv.generate call, each measurement in a fresh subprocess.
+
+    Peak RSS is ``VmHWM`` of /proc/self/status: ``getrusage(...).ru_maxrss`` survives
+    fork + exec on Linux, so a child of this (large) process would report our peak.
 
     Baseline: the peak RSS of a process that imported everything and ran generate on the
     tiny test model (JAX runtime, XLA compiler and jaxkv loaded, nothing big allocated).
