@@ -11,7 +11,8 @@
   writing other loops (beam search, speculative decoding, serving).
 
 The model is any ``nnx.Module`` with ``init_cache(batch_size, max_length, dtype=)`` and
-``__call__(tokens [B, T], cache, num_new) -> (logits [B, T, V], cache)``, such as
+``__call__(tokens [B, T], cache, num_new, *, logits_at=None) -> (logits [B, T, V], cache)``
+(``logits_at``: [B] index of the one token per row whose logits to return), such as
 :class:`jaxkv.models.Llama`. Inside jit it travels as ``nnx.split`` halves: the graph
 definition (static, hashable) and the parameter state (a pytree).
 
@@ -98,9 +99,9 @@ def prefill(
     neither stored nor attended to.
     """
     model = nnx.merge(graphdef, state)
-    logits, cache = model(input_ids, cache, prompt_lengths)  # [B, P, V]
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    return select_token(last, row_keys, 0, sampling), cache
+    # Only each row's last real prompt token needs logits: no [B, P, V] product.
+    logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]
+    return select_token(logits[:, 0], row_keys, 0, sampling), cache
 
 
 def decode_step(

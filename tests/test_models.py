@@ -302,3 +302,15 @@ def test_bad_model_inputs_raise():
 def test_generate_bad_inputs_raise(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         generate(make_model(), *args, **kwargs)
+
+
+def test_logits_at_returns_the_chosen_token_per_row():
+    model = make_model(seed=21)
+    tokens = jnp.asarray(np.random.default_rng(22).integers(0, 128, size=(3, 6)), jnp.int32)
+    full, _ = model(tokens, model.init_cache(batch_size=3, max_length=8), jnp.array([6, 2, 4]))
+    picked, cache = model(tokens, model.init_cache(batch_size=3, max_length=8), jnp.array([6, 2, 4]),
+                          logits_at=jnp.array([5, 1, 3]))
+    assert picked.shape == (3, 1, full.shape[-1])
+    np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full[jnp.arange(3), jnp.array([5, 1, 3])]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.seq_lengths(0), [6, 2, 4])

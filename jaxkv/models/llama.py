@@ -421,6 +421,8 @@ class Llama(nnx.Module):
         tokens: jax.Array,  # [B, T] int
         cache: StaticCache | DynamicCache | None = None,
         num_new: jax.Array | None = None,  # [B] int
+        *,
+        logits_at: jax.Array | None = None,  # [B] int
     ) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
         """Runs T new tokens per row through the decoder, writing them into the cache.
 
@@ -432,9 +434,13 @@ class Llama(nnx.Module):
             cache: StaticCache, DynamicCache, or None for a full forward over ``tokens`` alone.
             num_new: [B] real tokens per row (ragged prompts without left padding: row b
                 holds ``num_new[b]`` tokens followed by padding). Default: all T.
+            logits_at: optional [B] index into the T tokens: return only that token's
+                logits per row, ``[B, 1, V]``. A prefill needs just the last real token's;
+                skipping the others saves a ``[B, T, V]`` product and its memory.
 
         Returns:
-            ``(logits [B, T, V], new_cache)``. Logits at padding tokens are meaningless.
+            ``(logits [B, T, V] (or [B, 1, V] with logits_at), new_cache)``. Logits at
+            padding tokens are meaningless.
 
         Raises:
             ValueError: tokens not [B, T]; a cache shaped for another model.
@@ -462,6 +468,8 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, cache = layer(x, cache, positions=positions, num_new=num_new, rope=rope)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, E]
         x = self.norm(x)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
