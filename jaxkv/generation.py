@@ -163,36 +163,52 @@ def _generate(
     return tokens, lengths
 
 
-def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket):
+def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Array, jax.Array]:
+    """Validates ``[B, P]`` prompts and ``[B]`` lengths; returns both as int32 arrays.
+
+    Raises:
+        ValueError: ``input_ids`` not 2-D or empty, lengths of the wrong shape or outside
+            ``[1, P]``.
+        TypeError: non-integer ids or lengths.
+    """
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(
-            f"input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got {list(input_ids.shape)}; "
-            "add a batch axis with input_ids[None]"
+            f"{who}: input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got "
+            f"{list(input_ids.shape)}; add a batch axis with input_ids[None]"
         )
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a Python int >= 1, got {max_new_tokens!r}")
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a jaxkv.sampling.SamplingConfig, got {type(sampling).__name__}")
+        raise TypeError(f"{who}: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     batch, prompt_len = input_ids.shape
     if prompt_lengths is None:
         prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
     prompt_lengths = jnp.asarray(prompt_lengths)
     if prompt_lengths.shape != (batch,):
-        raise ValueError(f"prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}")
+        raise ValueError(
+            f"{who}: prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}"
+        )
     if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
-        raise TypeError(f"prompt_lengths must be integers, got dtype {prompt_lengths.dtype}")
+        raise TypeError(f"{who}: prompt_lengths must be integers, got dtype {prompt_lengths.dtype}")
     if not isinstance(prompt_lengths, jax.core.Tracer):
         host = np.asarray(prompt_lengths)
         bad = (host < 1) | (host > prompt_len)
         if bad.any():
             row = int(np.argmax(bad))
             raise ValueError(
-                f"prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row needs at least "
-                "one prompt token and at most input_ids.shape[1]"
+                f"{who}: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row "
+                "needs at least one prompt token and at most input_ids.shape[1]"
             )
+    return input_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+
+
+
+def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket):
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, "generate")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a Python int >= 1, got {max_new_tokens!r}")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a jaxkv.sampling.SamplingConfig, got {type(sampling).__name__}")
+    batch, prompt_len = input_ids.shape
     if not sampling.is_greedy and key is None:
         raise ValueError("sampling needs a PRNG key: pass key=jax.random.key(seed)")
     row_keys = None
@@ -213,10 +229,10 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
     # A stop list never matching a real id (-1) keeps the array non-empty for the compare.
     stop_ids = jnp.asarray(stop or [-1], jnp.int32)
     padded_len = bucket_length(prompt_len) if bucket else prompt_len
-    ids = input_ids.astype(jnp.int32)
+    ids = input_ids
     if padded_len > prompt_len:
         ids = jnp.pad(ids, ((0, 0), (0, padded_len - prompt_len)), constant_values=pad_token_id)
-    return ids, prompt_lengths.astype(jnp.int32), row_keys, stop_ids
+    return ids, prompt_lengths, row_keys, stop_ids
 
 
 def generate(

@@ -50,44 +50,6 @@ def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # 
     return flat.reshape(shape)
 
 
-def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Array, jax.Array]:
-    """Validates ``[B, P]`` prompts and ``[B]`` lengths; returns both as int32 arrays.
-
-    Raises:
-        ValueError: ``input_ids`` not 2-D or empty, lengths of the wrong shape or outside
-            ``[1, P]``.
-        TypeError: non-integer ids or lengths.
-    """
-    input_ids = jnp.asarray(input_ids)
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"{who}: input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got "
-            f"{list(input_ids.shape)}; add a batch axis with input_ids[None]"
-        )
-    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise TypeError(f"{who}: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    batch, prompt_len = input_ids.shape
-    if prompt_lengths is None:
-        prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    prompt_lengths = jnp.asarray(prompt_lengths)
-    if prompt_lengths.shape != (batch,):
-        raise ValueError(
-            f"{who}: prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}"
-        )
-    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
-        raise TypeError(f"{who}: prompt_lengths must be integers, got dtype {prompt_lengths.dtype}")
-    if not isinstance(prompt_lengths, jax.core.Tracer):
-        host = np.asarray(prompt_lengths)
-        bad = (host < 1) | (host > prompt_len)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise ValueError(
-                f"{who}: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row "
-                "needs at least one prompt token and at most input_ids.shape[1]"
-            )
-    return input_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
-
-
 def check_positive_int(value: Any, name: str, who: str) -> int:
     """``value`` as a Python int >= 1, else ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -42,11 +42,11 @@ from flax import nnx
 
 from jaxkv.decoding._common import (
     check_positive_int,
-    check_prompts,
     check_token_id,
     forward,
     logits_at,
 )
+from jaxkv.generation import check_prompts
 
 __all__ = ["BeamSearchOutput", "beam_search"]
 

@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.cache import StaticCache
-from jaxkv.decoding._common import check_positive_int, check_prompts, forward, logits_at
+from jaxkv.decoding._common import check_positive_int, forward, logits_at
+from jaxkv.generation import check_prompts
 
 __all__ = ["chunked_prefill", "prefill_chunk"]
 

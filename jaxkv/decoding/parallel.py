@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.decoding._common import check_positive_int, check_prompts, check_token_id, forward, logits_at
+from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
+from jaxkv.generation import check_prompts
 from jaxkv.sampling import SamplingConfig, sample
 
 __all__ = ["sample_keys", "sample_n"]

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.decoding._common import check_positive_int, check_prompts, filtered_logits, forward, logits_at
+from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
+from jaxkv.generation import check_prompts
 from jaxkv.sampling import SamplingConfig, greedy
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
