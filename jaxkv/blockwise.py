@@ -100,45 +100,68 @@ def blockwise_attend(
     start = jnp.int32(0)
     if sliding_window is not None:
         start = jnp.maximum(jnp.min(q_pos) - sliding_window + 1, 0) // block
+    # Blocks that every query of every row sees in full (filled, not in the future, inside
+    # the window) need no mask at all: they run a lighter loop body. Only the blocks at the
+    # edges (the last, partly filled one, ragged rows, the window's start) pay for masks.
+    full_end = jnp.minimum(jnp.min(kv_len), jnp.min(q_pos) + 1)
+    fast_lo = start
+    if sliding_window is not None:
+        fast_lo = jnp.maximum(start, (jnp.maximum(jnp.max(q_pos) - sliding_window + 1, 0) + block - 1) // block)
+    fast_hi = jnp.clip(jnp.maximum(full_end, 0) // block, fast_lo, stop)
+    fast_lo = jnp.minimum(fast_lo, fast_hi)
 
-    def body(j, carry):
-        running_max, running_sum, acc = carry
+    def read(j, clamp):
         first = j * block
         # The last block may run past S: slice the final `block` slots instead (a clamped
         # read is harmless here) and mask out the slots an earlier block already covered.
-        offset = jnp.minimum(first, num_slots - block)
+        offset = jnp.minimum(first, num_slots - block) if clamp else first
         start_idx = (layer, 0, 0, offset, 0)
         size = (1, batch, num_kv_heads, block, head_dim)
         k_blk = jax.lax.dynamic_slice(keys, start_idx, size)[0]  # [B, H, blk, D]
         v_blk = jax.lax.dynamic_slice(values, start_idx, size)[0]
-        slots = offset + jnp.arange(block, dtype=jnp.int32)  # [blk]
-        filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
-        visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
-        if sliding_window is not None:
-            visible = visible & (q_pos[:, None, :] - slots[None, :, None] < sliding_window)
         # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
         # of the product, which XLA:CPU runs several times faster than the transposed form.
         logits = jnp.einsum("bhsd,bhgtd->bhsgt", k_blk, q, preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-        visible = visible[:, None, :, None, :]
-        logits = jnp.where(visible, logits, -jnp.inf)
+        return first, offset, logits, v_blk
+
+    def accumulate(carry, logits, v_blk, weights_fn):
+        running_max, running_sum, acc = carry
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=2))  # [B, H, G, T]
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        weights = jnp.where(visible, jnp.exp(logits - safe_max[:, :, None]), 0.0)
+        weights = weights_fn(jnp.exp(logits - safe_max[:, :, None]))
         correction = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - safe_max), 0.0)
-        v_blk = jnp.where(filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
         acc = acc * correction[..., None] + jnp.einsum(
             "bhsgt,bhsd->bhgtd", weights.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
         )
         return new_max, running_sum * correction + jnp.sum(weights, axis=2), acc
 
+    def masked_body(j, carry):
+        first, offset, logits, v_blk = read(j, clamp=True)
+        slots = offset + jnp.arange(block, dtype=jnp.int32)  # [blk]
+        filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
+        visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
+        if sliding_window is not None:
+            visible = visible & (q_pos[:, None, :] - slots[None, :, None] < sliding_window)
+        visible = visible[:, None, :, None, :]
+        logits = jnp.where(visible, logits, -jnp.inf)
+        # Unfilled slots may hold anything, NaN included: zero them so 0 * NaN never enters.
+        v_blk = jnp.where(filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
+        return accumulate(carry, logits, v_blk, lambda w: jnp.where(visible, w, 0.0))
+
+    def full_body(j, carry):  # every slot of the block is filled and visible to every query
+        _, _, logits, v_blk = read(j, clamp=False)
+        return accumulate(carry, logits, v_blk, lambda w: w)
+
     stats_shape = (batch, num_kv_heads, groups, num_tokens)
-    init = (
+    carry = (
         jnp.full(stats_shape, -jnp.inf, jnp.float32),
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(stats_shape + (head_dim,), jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(start, stop, body, init)
+    carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
+    carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
+    _, total, acc = jax.lax.fori_loop(fast_hi, stop, masked_body, carry)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)

@@ -24,6 +24,7 @@ its batch (``key`` may be one key, split into B row keys, or B keys).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 GREEDY = SamplingConfig()
+# Prompts longer than this are prefilled in chunks (bounded activations, see generate).
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +95,41 @@ def prefill(
     cache: StaticCache,
     row_keys: jax.Array | None = None,
     sampling: SamplingConfig = GREEDY,
+    chunk_size: int | None = None,
 ) -> tuple[jax.Array, StaticCache]:  # ([B] int32, cache)
     """Writes the prompts into ``cache`` and returns each row's first generated token.
 
     Row ``b``'s prompt is ``input_ids[b, :prompt_lengths[b]]``; the rest is padding that is
-    neither stored nor attended to.
+    neither stored nor attended to. With ``chunk_size`` C < P the prompt enters in chunks of
+    C tokens inside a ``lax.fori_loop`` (one traced forward pass), so the activations held at
+    once are those of C tokens, not P; the result equals one-shot prefill up to float
+    rounding. C must divide P (bucketed prompt lengths are powers of two).
     """
     model = nnx.merge(graphdef, state)
-    # Only each row's last real prompt token needs logits: no [B, P, V] product.
-    logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]
-    return select_token(logits[:, 0], row_keys, 0, sampling), cache
+    batch, prompt_len = input_ids.shape
+    if chunk_size is None or chunk_size >= prompt_len:
+        # Only each row's last real prompt token needs logits: no [B, P, V] product.
+        logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]
+        return select_token(logits[:, 0], row_keys, 0, sampling), cache
+    if prompt_len % chunk_size:
+        raise ValueError(
+            f"prefill: chunk_size {chunk_size} must divide the (bucketed) prompt length {prompt_len}; "
+            "use a power of two with bucket=True, or chunk_size=None"
+        )
+
+    def chunk(i, carry):
+        last, cache = carry
+        start = i * chunk_size
+        tokens = jax.lax.dynamic_slice_in_dim(input_ids, start, chunk_size, axis=1)
+        num_new = jnp.clip(prompt_lengths - start, 0, chunk_size).astype(jnp.int32)
+        logits, cache = model(tokens, cache, num_new, logits_at=jnp.maximum(num_new - 1, 0))  # [B, 1, V]
+        # A row keeps the logits of the last chunk that still held prompt tokens.
+        return jnp.where((num_new > 0)[:, None], logits[:, 0].astype(jnp.float32), last), cache
+
+    vocab = jax.eval_shape(lambda: model(input_ids[:, :1], cache, logits_at=jnp.zeros((batch,), jnp.int32))[0]).shape[-1]
+    last = jnp.zeros((batch, vocab), jnp.float32)
+    last, cache = jax.lax.fori_loop(0, prompt_len // chunk_size, chunk, (last, cache))
+    return select_token(last, row_keys, 0, sampling), cache
 
 
 def decode_step(
@@ -132,16 +160,17 @@ def _init_cache(model, batch, capacity, dtype, kind):
 
 
 @partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "capacity", "sampling", "cache_dtype", "cache_kind")
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "capacity", "sampling", "cache_dtype", "cache_kind", "chunk_size"),
 )
 def _generate(
     graphdef, state, input_ids, prompt_lengths, row_keys, stop_ids, pad_id, *, max_new_tokens, capacity, sampling,
-    cache_dtype, cache_kind="static",
+    cache_dtype, cache_kind="static", chunk_size=None,
 ):
     model = nnx.merge(graphdef, state)
     batch = input_ids.shape[0]
     cache = _init_cache(model, batch, capacity, cache_dtype, cache_kind)
-    first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling)
+    first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, stop_ids)
     lengths = jnp.ones((batch,), jnp.int32)
@@ -202,8 +231,11 @@ def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Ar
 
 
 
-def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket):
+def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
+             chunk_size):
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, "generate")
+    if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+        raise ValueError(f"prefill_chunk_size must be None or a Python int >= 1, got {chunk_size!r}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a Python int >= 1, got {max_new_tokens!r}")
     if not isinstance(sampling, SamplingConfig):
@@ -229,10 +261,13 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
     # A stop list never matching a real id (-1) keeps the array non-empty for the compare.
     stop_ids = jnp.asarray(stop or [-1], jnp.int32)
     padded_len = bucket_length(prompt_len) if bucket else prompt_len
+    if chunk_size is not None and padded_len > chunk_size:
+        padded_len = -(-padded_len // chunk_size) * chunk_size  # whole chunks; the padding is never stored
     ids = input_ids
     if padded_len > prompt_len:
         ids = jnp.pad(ids, ((0, 0), (0, padded_len - prompt_len)), constant_values=pad_token_id)
-    return ids, prompt_lengths, row_keys, stop_ids
+    chunk = None if chunk_size is None or chunk_size >= padded_len else int(chunk_size)
+    return ids, prompt_lengths, row_keys, stop_ids, chunk
 
 
 def generate(
@@ -248,6 +283,7 @@ def generate(
     cache_dtype: Any = None,
     cache_kind: str = "static",
     bucket: bool = True,
+    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> GenerateOutput:
     """Decodes a batch of (possibly ragged) prompts in one compiled program.
 
@@ -273,6 +309,9 @@ def generate(
         int8 keys/values).
       bucket: pad the prompt axis to the next power of two (>= 16) so that nearby prompt
         lengths share one compiled program.
+      prefill_chunk_size: prompts longer than this enter the cache in chunks of this many
+        tokens (a loop inside the program), so prefill holds the activations of one chunk,
+        not of the whole prompt (peak memory); ``None`` prefills in one shot.
 
     Returns:
       :class:`GenerateOutput` with ``tokens`` int32 [B, N] and ``lengths`` int32 [B].
@@ -289,8 +328,9 @@ def generate(
       ...                      key=jax.random.key(0))
       >>> out.tokens, out.lengths                                            # doctest: +SKIP
     """
-    ids, lengths, row_keys, stop_ids = _prepare(
-        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket
+    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
+        prefill_chunk_size,
     )
     graphdef, state = nnx.split(model)
     tokens, out_lengths = _generate(
@@ -306,12 +346,31 @@ def generate(
         sampling=sampling,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
         cache_kind=cache_kind,
+        chunk_size=chunk,
     )
     return GenerateOutput(tokens=tokens, lengths=out_lengths)
 
 
-_jit_prefill = jax.jit(prefill, static_argnames=("graphdef", "sampling"), donate_argnames="cache")
-_jit_step = jax.jit(decode_step, static_argnames=("graphdef", "sampling"), donate_argnames="cache")
+@functools.lru_cache(maxsize=32)
+def _stream_programs(graphdef: nnx.GraphDef, treedef: Any):
+    """Jitted prefill and donated decode step for one model structure, built once.
+
+    The graph definition and the parameters' tree structure are bound here, so a step call
+    passes only a flat list of arrays: hashing a graph definition and flattening an
+    ``nnx.State`` on every call would cost about a millisecond of Python per token.
+    """
+
+    def run_prefill(leaves, input_ids, prompt_lengths, cache, row_keys, *, sampling, chunk_size):
+        state = jax.tree.unflatten(treedef, leaves)
+        return prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
+
+    def run_step(leaves, tokens, cache, row_keys, step, active, *, sampling):
+        state = jax.tree.unflatten(treedef, leaves)
+        return decode_step(graphdef, state, tokens, cache, row_keys, step, sampling, active)
+
+    jit_prefill = jax.jit(run_prefill, static_argnames=("sampling", "chunk_size"), donate_argnames="cache")
+    jit_step = jax.jit(run_step, static_argnames=("sampling",), donate_argnames="cache")
+    return jit_prefill, jit_step
 
 
 class TokenStream:
@@ -322,23 +381,27 @@ class TokenStream:
     StaticCache; ``done`` the rows that have stopped.
     """
 
-    def __init__(self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype):
-        self._graphdef, self._state = nnx.split(model)
-        self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling)
+    def __init__(self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype, chunk):
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        self._prefill, self._step = _stream_programs(graphdef, treedef)
+        self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk)
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
         self.cache: StaticCache = model.init_cache(batch, ids.shape[1] + max_new_tokens, dtype=dtype)
         self.done = np.zeros((batch,), bool)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling = self._args
+        ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk = self._args
         stop = set(np.asarray(stop_ids).tolist())
-        tokens, self.cache = _jit_prefill(self._graphdef, self._state, ids, lengths, self.cache, row_keys, sampling)
+        tokens, self.cache = self._prefill(
+            self._leaves, ids, lengths, self.cache, row_keys, sampling=sampling, chunk_size=chunk
+        )
         for step in range(max_new_tokens):
             if step:
                 active = jnp.asarray(~self.done)
-                tokens, self.cache = _jit_step(
-                    self._graphdef, self._state, tokens, self.cache, row_keys, jnp.int32(step), sampling, active
+                tokens, self.cache = self._step(
+                    self._leaves, tokens, self.cache, row_keys, jnp.int32(step), active, sampling=sampling
                 )
             host = np.asarray(tokens).copy()
             host[self.done] = pad_id
@@ -361,6 +424,7 @@ def stream(
     pad_token_id: int = 0,
     cache_dtype: Any = None,
     bucket: bool = True,
+    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> TokenStream:
     """Like :func:`generate`, but yields each step's tokens as soon as they exist.
 
@@ -372,8 +436,9 @@ def stream(
       >>> for tokens in jaxkv.stream(model, ids, 32, eos_token_id=0):  # doctest: +SKIP
       ...     print(tokenizer.decode([int(tokens[0])]), end="", flush=True)
     """
-    ids, lengths, row_keys, stop_ids = _prepare(
-        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket
+    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+        model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
+        prefill_chunk_size,
     )
     return TokenStream(model, ids, lengths, row_keys, stop_ids, int(pad_token_id), int(max_new_tokens), sampling,
-                       cache_dtype)
+                       cache_dtype, chunk)

@@ -143,3 +143,50 @@ def test_generate_through_other_cache_kinds():
     assert quantized.tokens.shape == (2, 10) and np.asarray(quantized.lengths).tolist() == [10, 10]
     with pytest.raises(ValueError, match="kind must be"):
         generate(windowed, padded, 4, prompt_lengths=lengths, cache_kind="paged")
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "hybrid"])
+def test_chunked_prefill_equals_one_shot(cache_kind):
+    """Prompts longer than prefill_chunk_size enter the cache chunk by chunk inside the
+    program; rows whose prompts end in different chunks (or in the first) give the tokens
+    of one-shot prefill, greedy and sampled, and stream agrees with generate."""
+    windowed = Llama(LlamaConfig.tiny(sliding_window=6, sliding_layers=(True, False)), rngs=nnx.Rngs(9))
+    _, padded = ragged(np.random.default_rng(12), [40, 23, 9])
+    lengths = np.array([40, 23, 9])
+    kw = dict(prompt_lengths=lengths, cache_kind=cache_kind)
+    one_shot = generate(windowed, padded, 12, prefill_chunk_size=None, **kw)
+    for chunk in (16, 24):  # 64-token bucket: 4 chunks of 16; 24 pads the prompt to 72
+        chunked = generate(windowed, padded, 12, prefill_chunk_size=chunk, **kw)
+        np.testing.assert_array_equal(chunked.tokens, one_shot.tokens)
+    key = jax.random.key(3)
+    sampled = dict(sampling=SAMPLED, key=key, **kw)
+    np.testing.assert_array_equal(
+        generate(windowed, padded, 12, prefill_chunk_size=16, **sampled).tokens,
+        generate(windowed, padded, 12, prefill_chunk_size=None, **sampled).tokens,
+    )
+    if cache_kind == "static":
+        streamed = np.stack(list(stream(windowed, padded, 12, prompt_lengths=lengths, prefill_chunk_size=16)), axis=1)
+        np.testing.assert_array_equal(streamed, one_shot.tokens)
+
+
+def test_chunked_prefill_bounds_the_programs_temporaries(model):
+    """XLA's own memory plan: a 512-token prefill in 64-token chunks needs a fraction of
+    the temporary buffers of the one-shot prefill (activations scale with the chunk)."""
+    ids = jnp.ones((2, 512), jnp.int32)
+    graphdef, state = nnx.split(model)
+
+    def temp_bytes(chunk):
+        lowered = _generate.lower(
+            graphdef, state, ids, jnp.full((2,), 512, jnp.int32), None, jnp.array([-1], jnp.int32), jnp.int32(0),
+            max_new_tokens=4, capacity=516, sampling=SamplingConfig(), cache_dtype=None, chunk_size=chunk,
+        )
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    one_shot, chunked = temp_bytes(None), temp_bytes(64)
+    assert chunked * 3 < one_shot, (chunked, one_shot)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, "64"])
+def test_bad_prefill_chunk_size(model, bad):
+    with pytest.raises(ValueError, match="prefill_chunk_size must be None or a Python int >= 1"):
+        generate(model, np.ones((1, 40), np.int32), 2, prefill_chunk_size=bad)
