@@ -305,70 +305,81 @@ def report(payload: dict) -> list[list]:
 
 
 MEMORY_CHILD = r"""
-import json, sys
+import gc, json, sys
 sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp
 from flax import nnx
 import jaxkv
-from jaxkv.models import Llama, LlamaConfig
-def rss():  # VmHWM, not getrusage's ru_maxrss: Linux carries maxrss over fork+exec from the parent
+from jaxkv.generation import GREEDY, _generate
+from jaxkv.models import Llama, LlamaConfig  # noqa
+
+
+def status(field):  # kB -> bytes, from /proc/self/status
     for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-c = json.loads({config!r})
+
+
+def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 tiny = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-jaxkv.generate(tiny, jnp.ones((1, 16), jnp.int32), 2).tokens.block_until_ready()
-baseline = rss()
-out = {{"baseline": baseline}}
-if {mode!r} != "idle":
-    model = Llama(LlamaConfig(**c), rngs=nnx.Rngs(0))
-    ids = jnp.ones(({batch}, {context}), jnp.int32)
-if {mode!r} == "run":
-    jaxkv.generate(model, ids, {steps}).tokens.block_until_ready()
-if {mode!r} == "xla":  # what XLA itself plans for the program: its temp buffers are the activations
-    from jaxkv.generation import _generate
-    graphdef, state = nnx.split(model)
-    lowered = _generate.lower(graphdef, state, ids, jnp.full(({batch},), {context}, jnp.int32), None,
-                              jnp.array([-1], jnp.int32), jnp.int32(0), max_new_tokens={steps},
-                              capacity={context} + {steps}, sampling=jaxkv.generation.GREEDY, cache_dtype=None)
-    m = lowered.compile().memory_analysis()
-    out["xla_temp"] = int(m.temp_size_in_bytes)
-    out["xla_arguments"] = int(m.argument_size_in_bytes)
-out["peak"] = rss()
-print(json.dumps(out))
+jaxkv.generate(tiny, jnp.ones((1, 16), jnp.int32), 2).tokens.block_until_ready()  # runtime loaded and warm
+from jaxkv.models import from_pretrained
+gc.collect()
+before_model = status("VmRSS")
+model = from_pretrained({checkpoint!r}).model  # what a user does: safetensors -> device arrays
+jax.block_until_ready(nnx.state(model))
+gc.collect()
+after_model = status("VmRSS")
+graphdef, state = nnx.split(model)
+ids = jnp.ones(({batch}, {context}), jnp.int32)
+args = (graphdef, state, ids, jnp.full(({batch},), {context}, jnp.int32), None, jnp.array([-1], jnp.int32), jnp.int32(0))
+kw = dict(max_new_tokens={steps}, capacity={context} + {steps}, sampling=GREEDY, cache_dtype=None, chunk_size={chunk})
+reset_peak()
+compiled = _generate.lower(*args, **kw).compile()  # the compiler's own peak, apart from the run's
+compile_peak = status("VmHWM")
+plan = compiled.memory_analysis()
+gc.collect()
+before_run = status("VmRSS")
+reset_peak()
+jax.block_until_ready(compiled(*args[1:]))
+run_peak = status("VmHWM")
+print(json.dumps(dict(before_model=before_model, after_model=after_model, compile_peak=compile_peak,
+                      before_run=before_run, run_peak=run_peak, xla_temp=int(plan.temp_size_in_bytes),
+                      xla_output=int(plan.output_size_in_bytes))))
 """
 
 
-def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int) -> dict:
-    """Peak RSS of one jaxkv.generate call, each measurement in a fresh subprocess.
+def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int, chunk: int | None = 512) -> dict:
+    """Peak process memory of one generate program run, apart from compiling it.
 
-    Peak RSS is ``VmHWM`` of /proc/self/status: ``getrusage(...).ru_maxrss`` survives
-    fork + exec on Linux, so a child of this (large) process would report our peak.
+    Each measurement runs in a fresh subprocess that loads the JAX runtime (a warm generate
+    on the tiny test model), then measures with ``/proc/self/status`` (resetting the peak,
+    ``VmHWM``, through ``/proc/self/clear_refs`` before each phase):
 
-    Baseline: the peak RSS of a process that imported everything and ran generate on the
-    tiny test model (JAX runtime, XLA compiler and jaxkv loaded, nothing big allocated).
-    Measured: a fresh process doing the same and then generate at (batch, context).
-    Reported: (measured peak - baseline) against weights + cache + activations from the
-    config, where activations are the largest live set of the prefill: the float32 logits
-    [B, P, V] (the model returns every position's logits), the MLP's two [B, P, F] and
-    a few [B, P, E]/[B, P, Hq*D] tensors (we count 4). A third process compiles the
-    same program and reads XLA's own plan (``memory_analysis().temp_size_in_bytes``), an
-    independent figure for the activations (its temp buffers include the cache copies, if
-    any).
+    * weights: RSS growth when the model is loaded with ``from_pretrained`` from a
+      safetensors checkpoint (a random transformers model of the config, saved once);
+    * run: peak RSS while the compiled ``generate`` program (prefill + decode loop, the
+      cache allocated inside it) runs, minus RSS just before it ran;
+    * compile: peak RSS while XLA compiles the program, reported apart: compiling is not
+      generating, and its scratch memory is gone before the first token.
+
+    Measured memory = weights + run growth, against weights + cache + activations computed
+    from the config. Activations are the largest live set of one prefill chunk of C tokens
+    (``prefill_chunk_size``; the whole prompt when ``chunk`` is None): the MLP's two
+    [B, C, F], four [B, C, max(E, Hq*D)] and the blockwise attention's scores and weights,
+    2 x [B, Hq, block, C] (block 512), plus the [B, V] logits. XLA's own plan
+    (``memory_analysis().temp_size_in_bytes``) is reported beside it as an independent figure.
     """
-    llama_config = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-    )
-
-    def child(mode: str) -> dict:
-        code = MEMORY_CHILD.format(root=str(ROOT), config=json.dumps(llama_config), mode=mode, batch=batch,
-                                   context=context, steps=steps)
+    with tempfile.TemporaryDirectory() as directory:
+        build_models(config, directory)
+        code = MEMORY_CHILD.format(root=str(ROOT), checkpoint=directory, batch=batch, context=context, steps=steps,
+                                   chunk=chunk)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    idle, busy, xla = child("idle"), child("run"), child("xla")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
     c, f32 = config, 4
     capacity = context + steps  # context is a power of two, so the prompt bucket is the context itself
     weights = f32 * (
@@ -382,18 +393,42 @@ def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int) 
         + c.hidden_size
     )
     cache = f32 * 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim
+    tokens = min(chunk or context, context)
     widest = max(c.hidden_size, c.num_heads * c.head_dim)
-    activations = f32 * batch * context * (c.vocab_size + 2 * c.intermediate_size + 4 * widest)
+    block = min(512, capacity)
+    activations = f32 * batch * (
+        tokens * (2 * c.intermediate_size + 4 * widest) + 2 * c.num_heads * block * tokens + c.vocab_size
+    )
     expected = weights + cache + activations
-    measured = busy["peak"] - idle["baseline"]
+    measured_weights = m["after_model"] - m["before_model"]
+    run_growth = m["run_peak"] - m["before_run"]
+    measured = measured_weights + run_growth
     return {
-        "batch": batch, "context": context, "steps": steps,
-        "baseline_rss": idle["baseline"], "peak_rss": busy["peak"],
-        "peak_minus_baseline": measured, "weights": weights, "cache": cache, "activations": activations,
-        "expected": expected, "ratio": measured / expected,
-        "xla_temp": xla["xla_temp"], "xla_arguments": xla["xla_arguments"],
-        "ratio_vs_xla_plan": measured / (weights + cache + xla["xla_temp"]),
+        "batch": batch, "context": context, "steps": steps, "prefill_chunk_size": chunk,
+        "weights": weights, "cache": cache, "activations": activations, "expected": expected,
+        "measured_weights": measured_weights, "run_growth": run_growth, "measured": measured,
+        "ratio": measured / expected,
+        "compile_peak_growth": m["compile_peak"] - m["after_model"],
+        "xla_temp": m["xla_temp"], "ratio_vs_xla_plan": measured / (weights + cache + m["xla_temp"]),
     }
+
+
+def memory_table(batch: int, context: int) -> list[dict]:
+    """Memory of generate with chunked prefill (the default) and with one-shot prefill."""
+    rows = [memory_report(FULL, batch=batch, context=context, steps=16, chunk=chunk) for chunk in (512, None)]
+    mib = 2**20
+    print(f"\nPeak memory of generate, B={batch}, {context}-token prompt, 16 new tokens (MiB; goal: measured <= 1.1x "
+          "weights + cache + activations)")
+    print_table(
+        ["prefill", "weights", "cache", "activations", "expected", "measured (weights + run peak growth)", "ratio",
+         "XLA temp plan", "compile peak growth"],
+        [[f"chunks of {r['prefill_chunk_size']}" if r["prefill_chunk_size"] else "one shot", f"{r['weights'] / mib:.1f}",
+          f"{r['cache'] / mib:.1f}", f"{r['activations'] / mib:.1f}", f"{r['expected'] / mib:.1f}",
+          f"{r['measured_weights'] / mib:.1f} + {r['run_growth'] / mib:.1f} = {r['measured'] / mib:.1f}",
+          f"{r['ratio']:.2f} {'met' if r['ratio'] <= 1.1 else 'NOT met'}", f"{r['xla_temp'] / mib:.1f}",
+          f"{r['compile_peak_growth'] / mib:.0f}"] for r in rows],
+    )
+    return rows
 
 
 # --------------------------------------------------------------------------- plot
@@ -447,6 +482,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(HERE / "results" / "generate.json"))
     parser.add_argument("--png", default=str(ROOT / "docs" / "decode_step_time.png"))
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory table (updates the JSON)")
     args = parser.parse_args()
 
     if args.plot_only:
@@ -457,20 +493,19 @@ def main() -> None:
         args.contexts, args.batches, args.steps, args.repeats = [256], [1], 16, 2
     cells = [(b, c) for b in args.batches for c in args.contexts if b == 1 or c <= args.max_context_batch8]
     start = time.perf_counter()
+    if args.memory_only:
+        payload = {"machine": machine(), "memory": memory_table(1, 8192)}
+        if os.path.exists(args.json):  # keep the step-time rows of the last full run
+            with open(args.json) as f:
+                payload = {**json.load(f), "memory": payload["memory"]}
+        write_json(args.json, payload)
+        return
     payload = run_benchmark(FULL, cells, steps=args.steps, repeats=args.repeats)
     report(payload)
     if args.memory:
-        # Large enough that the data outweighs what XLA's compiler itself allocates.
+        # Large enough that the data outweighs the runtime's own noise.
         batch, context = (1, 1024) if args.quick else (1, 8192)
-        mem = memory_report(FULL, batch=batch, context=context, steps=16)
-        payload["memory"] = mem
-        mib = 2**20
-        print(f"memory B={batch} C={context}: peak RSS {mem['peak_rss'] / mib:.0f} MiB, baseline "
-              f"{mem['baseline_rss'] / mib:.0f} MiB, peak - baseline {mem['peak_minus_baseline'] / mib:.0f} MiB vs "
-              f"weights {mem['weights'] / mib:.0f} + cache {mem['cache'] / mib:.0f} + activations "
-              f"{mem['activations'] / mib:.0f} = {mem['expected'] / mib:.0f} MiB: ratio {mem['ratio']:.2f} "
-              f"({'met' if mem['ratio'] <= 1.1 else 'NOT met'}, goal <= 1.1); XLA's plan: temp "
-              f"{mem['xla_temp'] / mib:.0f} MiB, ratio vs weights + cache + XLA temp {mem['ratio_vs_xla_plan']:.2f}")
+        payload["memory"] = memory_table(batch, context)
     payload["wall_s"] = time.perf_counter() - start
     print(f"total {payload['wall_s']:.0f} s")
     if not args.quick:

@@ -177,8 +177,11 @@ def _load_tensors(
                     raise CheckpointError(f"{file}: tensor {key!r} is corrupt ({e})") from e
                 if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
                     raise CheckpointError(f"{file}: tensor {key!r} has dtype {array.dtype}, expected a float")
-                array = array.astype(dtype)
-                loaded[path] = jnp.asarray(array.T if transpose else array)
+                # One host copy at most (dtype change and transpose together), then the device
+                # array; the host copy is freed before the next tensor is read.
+                array = np.ascontiguousarray(array.T if transpose else array, dtype=dtype)
+                loaded[path] = jax.device_put(array)
+                del array
     return loaded
 
 
