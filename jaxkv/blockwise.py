@@ -17,6 +17,8 @@ zeroed before use.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -110,13 +112,13 @@ def blockwise_attend(
     fast_hi = jnp.clip(jnp.maximum(full_end, 0) // block, fast_lo, stop)
     fast_lo = jnp.minimum(fast_lo, fast_hi)
 
-    def read(j, clamp):
-        first = j * block
-        # The last block may run past S: slice the final `block` slots instead (a clamped
+    def read(j, size, clamp):
+        first = j * size
+        # The last block may run past S: slice the final `size` slots instead (a clamped
         # read is harmless here) and mask out the slots an earlier block already covered.
-        offset = jnp.minimum(first, num_slots - block) if clamp else first
+        offset = jnp.minimum(first, num_slots - size) if clamp else first
         start_idx = (layer, 0, 0, offset, 0)
-        size = (1, batch, num_kv_heads, block, head_dim)
+        size = (1, batch, num_kv_heads, size, head_dim)
         k_blk = jax.lax.dynamic_slice(keys, start_idx, size)[0]  # [B, H, blk, D]
         v_blk = jax.lax.dynamic_slice(values, start_idx, size)[0]
         # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
@@ -137,9 +139,9 @@ def blockwise_attend(
         )
         return new_max, running_sum * correction + jnp.sum(weights, axis=2), acc
 
-    def masked_body(j, carry):
-        first, offset, logits, v_blk = read(j, clamp=True)
-        slots = offset + jnp.arange(block, dtype=jnp.int32)  # [blk]
+    def masked_body(j, carry, size=block):
+        first, offset, logits, v_blk = read(j, size, clamp=True)
+        slots = offset + jnp.arange(size, dtype=jnp.int32)  # [blk]
         filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
         visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
         if sliding_window is not None:
@@ -151,7 +153,7 @@ def blockwise_attend(
         return accumulate(carry, logits, v_blk, lambda w: jnp.where(visible, w, 0.0))
 
     def full_body(j, carry):  # every slot of the block is filled and visible to every query
-        _, _, logits, v_blk = read(j, clamp=False)
+        _, _, logits, v_blk = read(j, block, clamp=False)
         return accumulate(carry, logits, v_blk, lambda w: w)
 
     stats_shape = (batch, num_kv_heads, groups, num_tokens)
@@ -162,6 +164,20 @@ def blockwise_attend(
     )
     carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
     carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
-    _, total, acc = jax.lax.fori_loop(fast_hi, stop, masked_body, carry)
+    # Past the unmasked range: whole blocks that end at or before the last filled slot
+    # (ragged rows), then the last partial block, if any. A partial block holding at most a
+    # quarter block of tokens (a decode step just past a block boundary) is read as one
+    # quarter-size block instead of a whole, mostly empty one.
+    mid = jnp.clip(end // block, fast_hi, stop)
+    carry = jax.lax.fori_loop(fast_hi, mid, masked_body, carry)
+    tail = block // 4 if block % 4 == 0 and block >= 64 else block
+    remaining = jnp.maximum(end - mid * block, 0)
+    small = (remaining > 0) & (remaining <= tail)
+    big = (remaining > tail).astype(jnp.int32)
+    carry = jax.lax.fori_loop(mid, mid + big, masked_body, carry)
+    first_tail = mid * (block // tail)  # the quarter block starting where the partial block does
+    _, total, acc = jax.lax.fori_loop(
+        first_tail, first_tail + small.astype(jnp.int32), partial(masked_body, size=tail), carry
+    )
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)

@@ -144,3 +144,42 @@ def test_blockwise_reads_a_stacked_cache_by_layer_index():
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="stacked, with layer_idx"):
         blockwise_attend(q, keys[0], values[0], layer_idx=0, **kw)
+
+
+@pytest.mark.parametrize(
+    "kv_len, q_pos, window",
+    [
+        ([37, 37], [[36], [36]], None),  # 4 full blocks of 8 (unmasked body) + a partial one
+        ([37, 19], [[36], [18]], None),  # ragged: the unmasked range ends at the short row
+        ([37, 30], [[36], [29]], 12),  # window: blocks before every window and at its edge masked
+        ([40, 40], [[32, 35, 39], [32, 35, 39]], 20),  # a 3-token chunk (causal edge inside a block)
+        ([40, 33], [[37, 38, 39], [30, 31, 32]], None),
+    ],
+)
+def test_unmasked_blocks_and_masked_edges_equal_reference(kv_len, q_pos, window):
+    """Blocks every query sees in full take the unmasked loop body; the rest are masked.
+    NaN in unfilled slots proves the unmasked body never reads a slot it should not."""
+    kv_len, q_pos = np.array(kv_len), np.array(q_pos)
+    q, k, v = make_inputs(5, 2, 4, 2, q_pos.shape[1], 48, 8, kv_len)
+    got = jax.jit(lambda q, k, v: blockwise_attend(
+        q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
+        sliding_window=window, block_size=8,
+    ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    want = numpy_attention(q, k, v, q_pos, kv_len, window)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("kv_len", [[129, 129], [150, 77], [192, 64], [200, 1], [65, 200]])
+def test_quarter_block_tail_equals_reference(kv_len, window):
+    """Blocks of 64: the partial last block is read in quarter blocks of 16 (one decode step
+    just past a block boundary reads 16 slots, not 64); every fill ends up in the result."""
+    kv_len = np.array(kv_len)
+    q_pos = (kv_len - 1)[:, None]
+    q, k, v = make_inputs(6, 2, 4, 2, 1, 200, 8, kv_len)
+    got = jax.jit(lambda q, k, v: blockwise_attend(
+        q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
+        sliding_window=window, block_size=64,
+    ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    want = numpy_attention(q, k, v, q_pos, kv_len, window)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
