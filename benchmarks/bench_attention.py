@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import machine, print_table, time_calls, write_json
+from common import machine, op_times, print_table, time_calls, write_json
 from jaxkv import StaticCache
 from jaxkv.attention import attend
 from jaxkv.blockwise import blockwise_attend
@@ -72,7 +72,7 @@ def capacity_table(capacities, fill, repeats):
     return {name: {str(c): t for c, t in row.items()} for name, row in results.items()}
 
 
-def bandwidth_table(layers, tokens, batches, repeats):
+def bandwidth_table(layers, tokens, batches, repeats, profile=False):
     out = []
     for batch in batches:
         shape = (layers, batch, KV_HEADS, tokens, HEAD_DIM)
@@ -85,7 +85,7 @@ def bandwidth_table(layers, tokens, batches, repeats):
         @jax.jit
         def all_layers(q, keys, values):
             outs = [
-                blockwise_attend(q, keys, values, layer_idx=i, q_positions=q_pos, kv_lengths=kv_len, block_size=2048)
+                blockwise_attend(q, keys, values, layer_idx=i, q_positions=q_pos, kv_lengths=kv_len)
                 for i in range(layers)
             ]
             return jnp.stack(outs)
@@ -101,6 +101,16 @@ def bandwidth_table(layers, tokens, batches, repeats):
             dict(batch=batch, cache_mb=nbytes / 2**20, attention_gbs=nbytes / t_attn / 1e9, sum_gbs=nbytes / t_read / 1e9,
                  attention_ms=t_attn * 1e3, sum_ms=t_read * 1e3)
         )
+        if profile:  # where one call's time goes, grouped by kind of op
+            ops = op_times(lambda: all_layers(q, keys, values).block_until_ready(), calls=3, top=200)
+            kinds = {"block slices copied (dynamic-slice fusions)": 0.0, "products (ynn_fusion / dot)": 0.0, "other": 0.0}
+            for name, ms, _ in ops:
+                kind = ("block slices copied (dynamic-slice fusions)" if name.startswith("dynamic-slice")
+                        else "products (ynn_fusion / dot)" if name.startswith(("ynn_fusion", "dot")) else "other")
+                kinds[kind] += ms
+            out[-1]["profile_ms"] = kinds
+            print(f"   batch {batch}: profiler, ms per call by kind of op: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()))
     print(f"\n2. Attention of 1 token over {layers} layers x {tokens} tokens (blockwise), f32, vs jnp.sum over the same bytes")
     print_table(
         ["batch", "cache MB", "attention ms", "sum ms", "attention GB/s", "sum GB/s", "attention / sum"],
@@ -199,6 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--json", default="benchmarks/results/attention.json")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also break the bandwidth case down by op kind (jax.profiler trace)")
     args = parser.parse_args()
     if args.quick:
         capacities, bw, loop = [1024, 4096], dict(layers=2, tokens=4096, batches=[1]), dict(capacities=[2048, 8192], steps=50)
@@ -207,7 +219,7 @@ def main() -> None:
             capacities=[2048, 65536], steps=1000)
     payload = {"machine": machine()}
     payload["capacity"] = capacity_table(capacities, fill=1024, repeats=30)
-    payload["bandwidth"] = bandwidth_table(repeats=10, **bw)
+    payload["bandwidth"] = bandwidth_table(repeats=10, profile=args.profile, **bw)
     payload["loop"] = loop_table(fill=1024, **loop)
     write_json(args.json, payload)
 

@@ -25,11 +25,14 @@ figure least inflated by them.
 
 Context C is the prompt length; the N steps then read C..C+N-1 stored tokens. All figures
 of a table come from this one run; machines here are shared, so compare ratios, not
-absolute times. ``--memory`` measures peak RSS of jaxkv.generate in fresh subprocesses
-(see :func:`memory_report`).
+absolute times. Each cell also times a *read floor*: a jitted ``jnp.sum`` over as many
+bytes as the weights plus the cache (:func:`time_read_floor`), what any implementation must
+read per step. ``--memory`` (on by default) measures peak RSS of jaxkv.generate in fresh
+subprocesses (see :func:`memory_report`).
 
     python benchmarks/bench_generate.py            # full run, writes results/generate.json
     python benchmarks/bench_generate.py --quick    # smoke run (~1 min), writes nothing
+    python benchmarks/bench_generate.py --memory-only  # only the memory table (updates the JSON)
     python benchmarks/bench_generate.py --plot-only  # redraw docs/decode_step_time.png
 """
 
@@ -224,6 +227,23 @@ def time_nnx(config: BenchConfig, batch: int, context: int, steps: int, repeats:
     return min(run() for _ in range(repeats))
 
 
+def time_read_floor(model, config: BenchConfig, batch: int, context: int, repeats: int) -> float:
+    """What one decode step must read at least, timed: a jitted ``jnp.sum`` over one float32
+    buffer as large as all weights plus the keys and values cached at this context.
+
+    A decode step reads every weight and every cached key and value once; at this machine's
+    reduction rate (a multi-threaded YNNPACK kernel, the fastest read XLA:CPU has) that read
+    alone takes this long. An implementation reading float32 weights and cache once per step
+    cannot beat it by much, so ``their time / floor`` bounds the speed-up any could show.
+    """
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    cache = 2 * config.num_layers * batch * config.num_kv_heads * context * config.head_dim
+    buffer = jnp.asarray(np.random.default_rng(0).standard_normal(weights + cache, np.float32))
+    read = jax.jit(jnp.sum)
+    read(buffer).block_until_ready()
+    return best_time(lambda: read(buffer).block_until_ready(), max(repeats, 10))
+
+
 def check_same_tokens(hf, model, ids: np.ndarray, steps: int) -> bool:
     """jaxkv and transformers pick the same greedy tokens (same weights, same model)."""
     import jaxkv
@@ -260,6 +280,7 @@ def run_benchmark(config: BenchConfig, cells: list[tuple[int, int]], *, steps: i
                     row[name] = time_hf(hf, ids, steps, None if name == "hf_dynamic" else "static", repeats)
                 log(f"  B={batch} C={context} {name}: {row[name] * 1e3:.3f} ms/step "
                     f"({time.perf_counter() - start:.1f} s)")
+            row["read_floor"] = time_read_floor(model, config, batch, context + steps // 2, repeats)
             rows.append(row)
     return {
         "machine": machine(),
@@ -274,6 +295,7 @@ def run_benchmark(config: BenchConfig, cells: list[tuple[int, int]], *, steps: i
             "hf_static": "same, cache_implementation='static'",
             "nnx": "N nnx.jit single-token steps over a pre-filled MultiHeadAttention(decode=True) cache / N, "
                    "best of R runs",
+            "read_floor": "jitted jnp.sum over one f32 buffer of weights + cache bytes at context + N/2, best of 10",
         },
         "unit": "seconds per decode step (one token per row)",
         "rows": rows,
@@ -284,8 +306,11 @@ def report(payload: dict) -> list[list]:
     """Prints the table: ms/step, tokens/s (batch x steps/s) and jaxkv's speed-up, met or not."""
     strategies = [s for s in STRATEGIES if s in payload["rows"][0]]
     others = [s for s in strategies if s != "jaxkv"]
+    floor = "read_floor" in payload["rows"][0]
     headers = ["B", "context"] + [f"{s} ms" for s in strategies] + ["jaxkv tok/s"]
     headers += [f"x {s} (goal {GOALS[s]}x)" for s in others]
+    if floor:
+        headers += ["read floor ms", "jaxkv / floor", "best possible x hf_static"]
     table = []
     for r in payload["rows"]:
         cells = [r["batch"], r["context"]] + [f"{r[s] * 1e3:.2f}" for s in strategies]
@@ -296,6 +321,9 @@ def report(payload: dict) -> list[list]:
                 continue
             ratio = r[s] / r["jaxkv"]
             cells.append(f"{ratio:.2f} {'met' if ratio >= GOALS[s] else 'NOT met'}")
+        if floor:
+            cells += [f"{r['read_floor'] * 1e3:.2f}", f"{r['jaxkv'] / r['read_floor']:.1f}x"]
+            cells.append(f"{r['hf_static'] / r['read_floor']:.1f}x" if "hf_static" in r else "-")
         table.append(cells)
     print_table(headers, table)
     return table
@@ -371,7 +399,8 @@ def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int, 
     from the config. Activations are the largest live set of one prefill chunk of C tokens
     (``prefill_chunk_size``; the whole prompt when ``chunk`` is None): the MLP's two
     [B, C, F], four [B, C, max(E, Hq*D)] and the blockwise attention's scores and weights,
-    2 x [B, Hq, block, C] (block 512), plus the [B, V] logits. XLA's own plan
+    2 x [B, Hq, block, C] (``blockwise_attend``'s default block: 128 for chunks of more than
+    16 tokens), plus the [B, V] logits. XLA's own plan
     (``memory_analysis().temp_size_in_bytes``) is reported beside it as an independent figure.
     """
     with tempfile.TemporaryDirectory() as directory:
@@ -395,7 +424,7 @@ def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int, 
     cache = f32 * 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim
     tokens = min(chunk or context, context)
     widest = max(c.hidden_size, c.num_heads * c.head_dim)
-    block = min(512, capacity)
+    block = min(512 if tokens <= 16 else 128, capacity)  # blockwise_attend's default block
     activations = f32 * batch * (
         tokens * (2 * c.intermediate_size + 4 * widest) + 2 * c.num_heads * block * tokens + c.vocab_size
     )
@@ -414,16 +443,19 @@ def memory_report(config: BenchConfig, *, batch: int, context: int, steps: int, 
 
 
 def memory_table(batch: int, context: int) -> list[dict]:
-    """Memory of generate with chunked prefill (the default) and with one-shot prefill."""
-    rows = [memory_report(FULL, batch=batch, context=context, steps=16, chunk=chunk) for chunk in (512, None)]
+    """Memory of generate: chunked prefill (the default) and one-shot prefill at (batch,
+    context), and chunked prefill at 4x the batch (a cache 4x as large)."""
+    settings = [(batch, 512), (batch, None), (4 * batch, 512)]
+    rows = [memory_report(FULL, batch=b, context=context, steps=16, chunk=chunk) for b, chunk in settings]
     mib = 2**20
-    print(f"\nPeak memory of generate, B={batch}, {context}-token prompt, 16 new tokens (MiB; goal: measured <= 1.1x "
+    print(f"\nPeak memory of generate, {context}-token prompts, 16 new tokens (MiB; goal: measured <= 1.1x "
           "weights + cache + activations)")
     print_table(
-        ["prefill", "weights", "cache", "activations", "expected", "measured (weights + run peak growth)", "ratio",
-         "XLA temp plan", "compile peak growth"],
-        [[f"chunks of {r['prefill_chunk_size']}" if r["prefill_chunk_size"] else "one shot", f"{r['weights'] / mib:.1f}",
-          f"{r['cache'] / mib:.1f}", f"{r['activations'] / mib:.1f}", f"{r['expected'] / mib:.1f}",
+        ["B", "prefill", "weights", "cache", "activations", "expected", "measured (weights + run peak growth)",
+         "ratio", "XLA temp plan", "compile peak growth"],
+        [[r["batch"], f"chunks of {r['prefill_chunk_size']}" if r["prefill_chunk_size"] else "one shot",
+          f"{r['weights'] / mib:.1f}", f"{r['cache'] / mib:.1f}", f"{r['activations'] / mib:.1f}",
+          f"{r['expected'] / mib:.1f}",
           f"{r['measured_weights'] / mib:.1f} + {r['run_growth'] / mib:.1f} = {r['measured'] / mib:.1f}",
           f"{r['ratio']:.2f} {'met' if r['ratio'] <= 1.1 else 'NOT met'}", f"{r['xla_temp'] / mib:.1f}",
           f"{r['compile_peak_growth'] / mib:.0f}"] for r in rows],
@@ -449,6 +481,9 @@ def plot(payload: dict, path: str) -> None:
         for s in STRATEGIES:
             if s in rows[0]:
                 ax.plot([r["context"] for r in rows], [r[s] * 1e3 for r in rows], "o-", label=labels[s])
+        if "read_floor" in rows[0]:
+            ax.plot([r["context"] for r in rows], [r["read_floor"] * 1e3 for r in rows], "k--",
+                    label="read floor: jnp.sum over as many bytes as weights + cache")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens in the cache)")

@@ -47,3 +47,41 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
         if n == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def op_times(fn, *, calls: int = 5, top: int = 12, trace_dir: str | None = None) -> list[tuple[str, float, float]]:
+    """Where a jitted computation's time goes: XLA:CPU per-op times from a profiler trace.
+
+    Runs ``fn()`` (which must block on its result) twice to warm up, then ``calls`` times
+    under ``jax.profiler`` with a Perfetto trace, and returns the ``top`` ops by total time
+    as ``(name, ms per call, times run per call)``. Names are the compiled program's
+    instructions (``dynamic-slice_bitcast_fusion`` is a materialised slice, ``ynn_fusion``
+    a YNNPACK kernel, ``dot`` an Eigen matmul); the runtime's own wrappers are left out.
+    """
+    import collections
+    import glob
+    import gzip
+    import shutil
+    import tempfile
+
+    directory = trace_dir or tempfile.mkdtemp(prefix="jaxkv-trace-")
+    for _ in range(2):
+        fn()
+    jax.profiler.start_trace(directory, create_perfetto_trace=True)
+    for _ in range(calls):
+        fn()
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(os.path.join(directory, "**", "*.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    total, count = collections.Counter(), collections.Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or "::" in name or name.startswith(("$", "Pjit", "ParseArguments", "while")):
+            continue
+        total[name] += event.get("dur", 0)
+        count[name] += 1
+    if trace_dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    return [(name, us / calls / 1e3, count[name] / calls) for name, us in total.most_common(top)]

@@ -93,8 +93,11 @@ def test_activation_memory_is_bounded_by_the_chunk():
         return compiled.memory_analysis().temp_size_in_bytes
 
     chunk, whole = temp_bytes(16), temp_bytes(512)
-    # One-shot prefill of 512 tokens needs [B, Hq, 512, S] scores; a 16-token chunk, 1/32 of that.
-    assert chunk * 8 < whole, (chunk, whole)
+    # Blockwise scores are [B, Hq, block, T]: block 512 for a 16-token chunk, 128 for 512
+    # tokens (blockwise_attend's default), so the chunk holds 1/8 of the scores and 1/32 of
+    # the per-token activations; fixed temporaries (masks, statistics) shrink the ratio a
+    # little (6.2x measured). The property: temporaries follow the chunk, not the prompt.
+    assert chunk * 4 < whole, (chunk, whole)
 
 
 def test_errors(model):
