@@ -8,6 +8,12 @@ window, starts at the first block any query can still see). Softmax is accumulat
 (running max, running sum, running weighted values), so the result equals one softmax
 over all visible slots.
 
+Blocks that every query of every row sees in full run an unmasked loop body; only the
+edge blocks (a partly filled last block, ragged rows, a window's start) pay for masks, and
+a last block holding few tokens is read at 1/2, 1/4 or 1/8 of its size. On XLA:CPU each
+block is copied out of the buffer before its products (a dot cannot read a slice of a
+larger buffer in place); ``benchmarks/bench_attention.py`` measures what that costs.
+
 Shapes: B batch, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim.
 Slot ``s`` holds absolute position ``s`` (the ``StaticCache`` layout). Visibility is the
 rule of :func:`jaxkv.attention.attend`: filled (``s < kv_lengths[b]``), not in the future
