@@ -174,6 +174,10 @@ def blockwise_attend(
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(stats_shape + (head_dim,), jnp.float32),
     )
+    if num_slots <= block:  # one block holds the whole buffer: no loops, one masked pass
+        _, total, acc = masked_body(0, carry)
+        out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+        return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
     carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
     carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
     # Past the unmasked range: whole blocks that end at or before the last filled slot
