@@ -109,14 +109,16 @@ def bandwidth_table(layers, tokens, batches, repeats, profile=False):
                         else "products (ynn_fusion / dot)" if name.startswith(("ynn_fusion", "dot")) else "other")
                 kinds[kind] += ms
             out[-1]["profile_ms"] = kinds
-            print(f"   batch {batch}: profiler, ms per call by kind of op: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()))
     print(f"\n2. Attention of 1 token over {layers} layers x {tokens} tokens (blockwise), f32, vs jnp.sum over the same bytes")
     print_table(
         ["batch", "cache MB", "attention ms", "sum ms", "attention GB/s", "sum GB/s", "attention / sum"],
         [[r["batch"], f"{r['cache_mb']:.0f}", f"{r['attention_ms']:.1f}", f"{r['sum_ms']:.1f}", f"{r['attention_gbs']:.1f}",
           f"{r['sum_gbs']:.1f}", f"{r['attention_gbs'] / r['sum_gbs'] * 100:.0f}%"] for r in out],
     )
+    for r in out:
+        if "profile_ms" in r:
+            print(f"   batch {r['batch']}: profiler, ms per call by kind of op: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms"].items()))
     return out
 
 
