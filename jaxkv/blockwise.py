@@ -175,25 +175,25 @@ def blockwise_attend(
         jnp.zeros(stats_shape + (head_dim,), jnp.float32),
     )
     if num_slots <= block:  # one block holds the whole buffer: no loops, one masked pass
-        _, total, acc = masked_body(0, carry)
-        out = acc / jnp.where(total > 0, total, 1.0)[..., None]
-        return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
-    carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
-    carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
-    # Past the unmasked range: whole blocks that end at or before the last filled slot
-    # (ragged rows), then the last partial block, if any, read as the smallest of block,
-    # block/2, block/4, block/8 slots that holds its tokens: a decode step just past a block
-    # boundary reads a few slots, not a whole, mostly empty block.
-    mid = jnp.clip(end // block, fast_hi, stop)
-    carry = jax.lax.fori_loop(fast_hi, mid, masked_body, carry)
-    remaining = end - mid * block  # in [0, block)
-    sizes = [block // d for d in (1, 2, 4, 8) if block % d == 0 and block // d >= 16] or [block]
-    # One fori_loop of 0 or 1 trips per size, not lax.switch: a conditional's operands
-    # (the whole stacked buffers) would be copied into it on every call.
-    pick = jnp.where(remaining > 0, sum((size >= remaining).astype(jnp.int32) for size in sizes), 0)
-    for i, size in enumerate(sizes, start=1):
-        first = mid * (block // size)
-        carry = jax.lax.fori_loop(first, first + (pick == i).astype(jnp.int32), partial(masked_body, size=size), carry)
+        carry = masked_body(0, carry)
+    else:
+        carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
+        carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
+        # Past the unmasked range: whole blocks that end at or before the last filled slot
+        # (ragged rows), then the last partial block, if any, read as the smallest of block,
+        # block/2, block/4, block/8 slots that holds its tokens: a decode step just past a block
+        # boundary reads a few slots, not a whole, mostly empty block.
+        mid = jnp.clip(end // block, fast_hi, stop)
+        carry = jax.lax.fori_loop(fast_hi, mid, masked_body, carry)
+        remaining = end - mid * block  # in [0, block)
+        sizes = [block // d for d in (1, 2, 4, 8) if block % d == 0 and block // d >= 16] or [block]
+        # One fori_loop of 0 or 1 trips per size, not lax.switch: a conditional's operands
+        # (the whole stacked buffers) would be copied into it on every call.
+        pick = jnp.where(remaining > 0, sum((size >= remaining).astype(jnp.int32) for size in sizes), 0)
+        for i, size in enumerate(sizes, start=1):
+            first = mid * (block // size)
+            trips = (pick == i).astype(jnp.int32)
+            carry = jax.lax.fori_loop(first, first + trips, partial(masked_body, size=size), carry)
     _, total, acc = carry
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)

@@ -24,9 +24,8 @@ its batch (``key`` may be one key, split into B row keys, or B keys).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -118,18 +117,17 @@ def prefill(
         )
 
     def chunk(i, carry):
-        last, cache = carry
+        first, cache = carry
         start = i * chunk_size
         tokens = jax.lax.dynamic_slice_in_dim(input_ids, start, chunk_size, axis=1)
         num_new = jnp.clip(prompt_lengths - start, 0, chunk_size).astype(jnp.int32)
         logits, cache = model(tokens, cache, num_new, logits_at=jnp.maximum(num_new - 1, 0))  # [B, 1, V]
-        # A row keeps the logits of the last chunk that still held prompt tokens.
-        return jnp.where((num_new > 0)[:, None], logits[:, 0].astype(jnp.float32), last), cache
+        # A row's first token comes from the last chunk that still held its prompt tokens.
+        picked = select_token(logits[:, 0], row_keys, 0, sampling)
+        return jnp.where(num_new > 0, picked, first), cache
 
-    vocab = jax.eval_shape(lambda: model(input_ids[:, :1], cache, logits_at=jnp.zeros((batch,), jnp.int32))[0]).shape[-1]
-    last = jnp.zeros((batch, vocab), jnp.float32)
-    last, cache = jax.lax.fori_loop(0, prompt_len // chunk_size, chunk, (last, cache))
-    return select_token(last, row_keys, 0, sampling), cache
+    first = jnp.zeros((batch,), jnp.int32)
+    return jax.lax.fori_loop(0, prompt_len // chunk_size, chunk, (first, cache))
 
 
 def decode_step(
@@ -351,7 +349,7 @@ def generate(
     return GenerateOutput(tokens=tokens, lengths=out_lengths)
 
 
-@functools.lru_cache(maxsize=32)
+@lru_cache(maxsize=32)
 def _stream_programs(graphdef: nnx.GraphDef, treedef: Any):
     """Jitted prefill and donated decode step for one model structure, built once.
 
