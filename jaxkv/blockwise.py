@@ -27,6 +27,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import _kernels
 
 __all__ = ["blockwise_attend"]
 
@@ -43,6 +46,7 @@ def blockwise_attend(
     logit_softcap: float | None = None,
     scale: float | None = None,
     block_size: int | None = None,
+    implementation: str = "auto",
 ) -> jax.Array:  # [B, Hq, T, D]
     """Grouped-query attention that reads only the blocks holding visible tokens.
 
@@ -64,12 +68,19 @@ def blockwise_attend(
         ``[B, Hq, block, T]``, and for a 512-token chunk, blocks of 128 hold a quarter of
         the temporaries of blocks of 512 at no cost in speed (measured in
         ``benchmarks/bench_generate.py --memory-only``).
+      implementation: ``"auto"`` (default): on CPU, up to 16 queries, f32/bf16, the native
+        kernel of :mod:`jaxkv._kernels` (reads blocks in place, on all cores) when it could
+        be built, else the XLA loop; on other platforms the XLA loop. ``"xla"``: always the
+        XLA loop. ``"kernel"``: the native kernel on CPU, an error if it is unavailable or
+        the inputs are outside what it takes. Both compute the same function; derivatives
+        always come from the XLA loop.
 
     Returns:
       [B, Hq, T, D] in the dtype of ``queries``; a query that sees nothing gets zeros.
 
     Raises:
-      ValueError: mismatched shapes, Hq not a multiple of H, bad window or block size.
+      ValueError: mismatched shapes, Hq not a multiple of H, bad window, block size or
+        implementation; ``implementation="kernel"`` that cannot be honoured.
     """
     kv_rank = 4 if layer_idx is None else 5
     if queries.ndim != 4 or keys.ndim != kv_rank or keys.shape != values.shape:
@@ -98,14 +109,74 @@ def blockwise_attend(
         block_size = 512 if queries.shape[2] <= 16 else 128
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"blockwise_attend: block_size must be a positive int, got {block_size!r}.")
+    if implementation not in ("auto", "xla", "kernel"):
+        raise ValueError(f"blockwise_attend: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
+    if scale is None:
+        scale = head_dim**-0.5
+    args = (queries, keys, values, jnp.asarray(layer_idx, jnp.int32), q_positions.astype(jnp.int32),
+            kv_lengths.astype(jnp.int32))
+    xla = partial(_xla_loop, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size)
+    if implementation == "xla":
+        return xla(*args)
+    why_not = _kernel_unsuitable(queries, keys)
+    if why_not and implementation == "kernel":
+        raise ValueError(f"blockwise_attend: implementation='kernel' cannot run here: {why_not}.")
+    if why_not or not _kernels.available():
+        if implementation == "kernel":
+            raise ValueError(
+                "blockwise_attend: implementation='kernel' but the native kernel could not be built or loaded "
+                "(see the warning above, or JAXKV_CPU_KERNEL=0 is set); use implementation='auto'."
+            )
+        return xla(*args)
+    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
 
+    @jax.custom_jvp
+    def attend_(*args):
+        if implementation == "kernel":  # lowering for another platform fails: no target there
+            return kernel(*args)
+        # Lowered for one platform, this picks one branch: no conditional in the program.
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=xla)
+
+    @attend_.defjvp
+    def _attend_jvp(primals, tangents):
+        return jax.jvp(xla, primals, tangents)
+
+    return attend_(*args)
+
+
+# The kernel's limits: a decode step or a short verify chunk; longer chunks (prefill) are
+# matrix products, which XLA's dot does better than the kernel's per-query loops.
+KERNEL_MAX_QUERIES = 16
+
+
+def _kernel_unsuitable(queries: jax.Array, keys: jax.Array) -> str | None:
+    if queries.shape[2] > KERNEL_MAX_QUERIES:
+        return f"{queries.shape[2]} queries, the kernel takes at most {KERNEL_MAX_QUERIES}"
+    supported = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    if queries.dtype not in supported or keys.dtype not in supported:
+        return f"dtypes {queries.dtype} (queries) and {keys.dtype} (cache); the kernel takes float32 and bfloat16"
+    return None
+
+
+def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
+    call = jax.ffi.ffi_call(
+        _kernels.TARGET, jax.ShapeDtypeStruct(queries.shape, queries.dtype), vmap_method="sequential"
+    )
+    return call(
+        queries, keys, values, layer, q_pos, kv_len,
+        window=np.int64(sliding_window or 0),
+        softcap=np.float32(logit_softcap or 0.0),
+        scale=np.float32(scale),
+    )
+
+
+def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size):
+    """The blockwise loop in XLA ops (any platform, any dtype, differentiable forward)."""
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    _, _, num_kv_heads, num_slots, _ = keys.shape
     groups = num_q_heads // num_kv_heads
     block = min(block_size, num_slots)
-    scale = head_dim**-0.5 if scale is None else scale
-    q_pos = q_positions.astype(jnp.int32)
-    kv_len = kv_lengths.astype(jnp.int32)
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
-    layer = jnp.asarray(layer_idx, jnp.int32)
 
     # Trip count from the data: blocks past every row's fill (and past every query) are
     # never read; with a window, blocks before every query's window are skipped too.

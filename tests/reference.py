@@ -55,3 +55,40 @@ class ReferenceCache:
         keys = np.stack([k for k, _ in tokens], axis=1)
         values = np.stack([v for _, v in tokens], axis=1)
         return keys, values
+
+
+# ------------------------------------------------------------ attention over a cache buffer
+
+
+def numpy_attention(q, k, v, q_pos, kv_len, window=None, softcap=None):
+    """Loop-per-query softmax over exactly the visible slots (float64)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, hq, tokens, dim = q.shape
+    groups = hq // k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for h in range(hq):
+            for t in range(tokens):
+                p = q_pos[b, t]
+                slots = [s for s in range(kv_len[b]) if s <= p and (window is None or p - s < window)]
+                if not slots:
+                    continue
+                logits = np.array([q[b, h, t] @ k[b, h // groups, s] for s in slots]) / np.sqrt(dim)
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
+                w = np.exp(logits - logits.max())
+                w /= w.sum()
+                out[b, h, t] = sum(wi * v[b, h // groups, s] for wi, s in zip(w, slots))
+    return out
+
+
+def make_inputs(seed, batch, hq, h, tokens, slots, dim, kv_len, nan_fill=True):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, hq, tokens, dim)).astype(np.float32)
+    k = rng.standard_normal((batch, h, slots, dim)).astype(np.float32)
+    v = rng.standard_normal((batch, h, slots, dim)).astype(np.float32) + 3.0
+    if nan_fill:
+        for b in range(batch):
+            k[b, :, kv_len[b]:] = np.nan
+            v[b, :, kv_len[b]:] = np.nan
+    return q, k, v

@@ -9,42 +9,14 @@ from hypothesis import strategies as st
 
 from jaxkv.attention import attend
 from jaxkv.blockwise import blockwise_attend
+from reference import make_inputs, numpy_attention
 
 
-def numpy_attention(q, k, v, q_pos, kv_len, window=None, softcap=None):
-    """Loop-per-query softmax over exactly the visible slots (float64)."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batch, hq, tokens, dim = q.shape
-    groups = hq // k.shape[1]
-    out = np.zeros_like(q)
-    for b in range(batch):
-        for h in range(hq):
-            for t in range(tokens):
-                p = q_pos[b, t]
-                slots = [s for s in range(kv_len[b]) if s <= p and (window is None or p - s < window)]
-                if not slots:
-                    continue
-                logits = np.array([q[b, h, t] @ k[b, h // groups, s] for s in slots]) / np.sqrt(dim)
-                if softcap is not None:
-                    logits = softcap * np.tanh(logits / softcap)
-                w = np.exp(logits - logits.max())
-                w /= w.sum()
-                out[b, h, t] = sum(wi * v[b, h // groups, s] for wi, s in zip(w, slots))
-    return out
+# Both implementations: the XLA loop (any platform) and, on CPU, the native kernel.
+IMPLS = ["xla", "kernel"]
 
 
-def make_inputs(seed, batch, hq, h, tokens, slots, dim, kv_len, nan_fill=True):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, hq, tokens, dim)).astype(np.float32)
-    k = rng.standard_normal((batch, h, slots, dim)).astype(np.float32)
-    v = rng.standard_normal((batch, h, slots, dim)).astype(np.float32) + 3.0
-    if nan_fill:
-        for b in range(batch):
-            k[b, :, kv_len[b]:] = np.nan
-            v[b, :, kv_len[b]:] = np.nan
-    return q, k, v
-
-
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -57,8 +29,8 @@ def make_inputs(seed, batch, hq, h, tokens, slots, dim, kv_len, nan_fill=True):
     softcap=st.one_of(st.none(), st.just(5.0)),
     data=st.data(),
 )
-def test_blockwise_matches_numpy_reference(seed, batch, groups, tokens, slots, block, window, softcap, data):
-    h, dim = 2, 4
+def test_blockwise_matches_numpy_reference(impl, seed, batch, groups, tokens, slots, block, window, softcap, data):
+    h, dim = 2, data.draw(st.sampled_from([4, 16]), label="dim")
     kv_len = np.array(data.draw(st.lists(st.integers(0, slots), min_size=batch, max_size=batch)))
     # Queries are the last `tokens` positions of each row (a chunk just written), or any
     # positions (e.g. past the fill) for a stress case.
@@ -67,25 +39,27 @@ def test_blockwise_matches_numpy_reference(seed, batch, groups, tokens, slots, b
     got = blockwise_attend(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos, jnp.int32),
         kv_lengths=jnp.asarray(kv_len, jnp.int32), sliding_window=window, logit_softcap=softcap,
-        block_size=block,
+        block_size=block, implementation=impl,
     )
     want = numpy_attention(q, k, v, q_pos, kv_len, window, softcap)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
-def test_blockwise_equals_attend_under_jit_with_ragged_rows():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_equals_attend_under_jit_with_ragged_rows(impl):
     kv_len = np.array([700, 5, 0])
     q, k, v = make_inputs(1, 3, 4, 2, 1, 1024, 16, kv_len)
     q_pos = (np.maximum(kv_len - 1, 0))[:, None]
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     kw = dict(q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32))
-    got = jax.jit(lambda q, k, v: blockwise_attend(q, k, v, block_size=128, **kw))(*args)
+    got = jax.jit(lambda q, k, v: blockwise_attend(q, k, v, block_size=128, implementation=impl, **kw))(*args)
     want = attend(*args, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert not np.asarray(got[2]).any()  # a row with nothing to see gets zeros
 
 
-def test_blockwise_reads_only_filled_blocks():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_reads_only_filled_blocks(impl):
     """Garbage (inf) in blocks past every row's fill would poison the result if read."""
     kv_len = np.array([10, 20])
     q, k, v = make_inputs(2, 2, 2, 2, 1, 256, 8, kv_len, nan_fill=False)
@@ -93,19 +67,20 @@ def test_blockwise_reads_only_filled_blocks():
     q_pos = (kv_len - 1)[:, None]
     got = blockwise_attend(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos, jnp.int32),
-        kv_lengths=jnp.asarray(kv_len, jnp.int32), block_size=16,
+        kv_lengths=jnp.asarray(kv_len, jnp.int32), block_size=16, implementation=impl,
     )
     want = numpy_attention(q, k, v, q_pos, kv_len)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
-def test_blockwise_bf16_inputs_keep_dtype():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_bf16_inputs_keep_dtype(impl):
     kv_len = np.array([9])
     q, k, v = make_inputs(3, 1, 2, 1, 2, 16, 8, kv_len)
     q_pos = np.array([[7, 8]])
     got = blockwise_attend(
         jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-        q_positions=jnp.asarray(q_pos), kv_lengths=jnp.asarray(kv_len), block_size=4,
+        q_positions=jnp.asarray(q_pos), kv_lengths=jnp.asarray(kv_len), block_size=4, implementation=impl,
     )
     assert got.dtype == jnp.bfloat16
     want = numpy_attention(q, k, v, q_pos, kv_len)
@@ -118,6 +93,7 @@ def test_blockwise_bf16_inputs_keep_dtype():
         (dict(block_size=0), "block_size must be a positive int"),
         (dict(sliding_window=0), "sliding_window must be a positive int"),
         (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths"),
+        (dict(implementation="pallas"), "implementation must be"),
     ],
 )
 def test_blockwise_bad_input(kwargs, match):
@@ -129,14 +105,15 @@ def test_blockwise_bad_input(kwargs, match):
         blockwise_attend(q, k, k, **args)
 
 
-def test_blockwise_reads_a_stacked_cache_by_layer_index():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_reads_a_stacked_cache_by_layer_index(impl):
     kv_len = np.array([13, 6])
     stacked = [make_inputs(s, 2, 4, 2, 2, 32, 8, kv_len) for s in range(3)]
     q = jnp.asarray(stacked[0][0])
     keys = jnp.stack([jnp.asarray(k) for _, k, _ in stacked])  # [L, B, H, S, D]
     values = jnp.stack([jnp.asarray(v) for _, _, v in stacked])
     kw = dict(q_positions=jnp.asarray((kv_len - 2)[:, None] + np.arange(2), jnp.int32),
-              kv_lengths=jnp.asarray(kv_len, jnp.int32), block_size=8)
+              kv_lengths=jnp.asarray(kv_len, jnp.int32), block_size=8, implementation=impl)
     for layer in range(3):
         want = numpy_attention(np.asarray(q), np.asarray(keys[layer]), np.asarray(values[layer]),
                                np.asarray(kw["q_positions"]), kv_len)
@@ -157,13 +134,13 @@ def test_blockwise_reads_a_stacked_cache_by_layer_index():
     ],
 )
 def test_unmasked_blocks_and_masked_edges_equal_reference(kv_len, q_pos, window):
-    """Blocks every query sees in full take the unmasked loop body; the rest are masked.
+    """XLA loop: blocks every query sees in full take the unmasked loop body; the rest are masked.
     NaN in unfilled slots proves the unmasked body never reads a slot it should not."""
     kv_len, q_pos = np.array(kv_len), np.array(q_pos)
     q, k, v = make_inputs(5, 2, 4, 2, q_pos.shape[1], 48, 8, kv_len)
     got = jax.jit(lambda q, k, v: blockwise_attend(
         q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
-        sliding_window=window, block_size=8,
+        sliding_window=window, block_size=8, implementation="xla",
     ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     want = numpy_attention(q, k, v, q_pos, kv_len, window)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
@@ -172,14 +149,14 @@ def test_unmasked_blocks_and_masked_edges_equal_reference(kv_len, q_pos, window)
 @pytest.mark.parametrize("window", [None, 50])
 @pytest.mark.parametrize("kv_len", [[129, 129], [150, 77], [192, 64], [200, 1], [65, 200]])
 def test_quarter_block_tail_equals_reference(kv_len, window):
-    """Blocks of 64: the partial last block is read in quarter blocks of 16 (one decode step
+    """XLA loop, blocks of 64: the partial last block is read in quarter blocks of 16 (one decode step
     just past a block boundary reads 16 slots, not 64); every fill ends up in the result."""
     kv_len = np.array(kv_len)
     q_pos = (kv_len - 1)[:, None]
     q, k, v = make_inputs(6, 2, 4, 2, 1, 200, 8, kv_len)
     got = jax.jit(lambda q, k, v: blockwise_attend(
         q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
-        sliding_window=window, block_size=64,
+        sliding_window=window, block_size=64, implementation="xla",
     ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     want = numpy_attention(q, k, v, q_pos, kv_len, window)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)

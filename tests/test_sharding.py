@@ -64,3 +64,47 @@ def test_sharding_preserved_on_eight_virtual_devices():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+ATTENTION = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxkv import StaticCache
+    from jaxkv.attention import cache_attention
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((4, 2, 5, 16)).astype(np.float32)
+    v = rng.standard_normal((4, 2, 5, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 4, 5, 16)).astype(np.float32)
+    num_new = np.array([5, 3, 1, 4], np.int32)
+
+    def run(cache, q, k, v):
+        positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
+        out, cache = cache_attention(q, k, v, cache, 1, positions=positions, num_new=jnp.asarray(num_new))
+        return out, cache
+
+    plain = StaticCache.init(num_layers=2, batch_size=4, num_kv_heads=2, head_dim=16, max_length=64)
+    want, _ = jax.jit(run)(plain, q, k, v)
+    sharded = StaticCache.init(num_layers=2, batch_size=4, num_kv_heads=2, head_dim=16, max_length=64,
+                               sharding=NamedSharding(mesh, P("data", "model")))
+    put = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data", "model")))
+    got, cache = jax.jit(run)(sharded, put(q), put(k), put(v))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert cache.keys.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", "model")), 5)
+    # Rows past num_new are padding: not attended to, not stored.
+    np.testing.assert_array_equal(cache.seq_lengths(1), num_new)
+    print("ok")
+    """
+)
+
+
+def test_attention_over_a_sharded_cache_equals_unsharded():
+    """Decode attention (the native kernel on CPU) over a cache sharded by rows and kv heads
+    gives the unsharded result and leaves the cache sharded."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run([sys.executable, "-c", ATTENTION], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

@@ -1,0 +1,125 @@
+"""Native kernels, built on first use with the machine's C++ compiler.
+
+``decode_attention.cc`` is an XLA:CPU FFI handler: decode attention that reads a stacked
+``StaticCache`` buffer in place (see its header comment and :mod:`jaxkv.blockwise`). It is
+compiled once per (source, jaxlib, compiler, CPU) into a cache directory, loaded with
+ctypes and registered as the FFI target ``jaxkv_decode_attention`` for the CPU platform.
+
+Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_KERNEL=0``,
+:func:`available` is False and attention runs the pure-XLA blockwise loop (one warning says
+why when a build fails). ``JAXKV_KERNEL_CACHE`` overrides the cache directory (default
+``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+
+__all__ = ["available", "build", "TARGET"]
+
+TARGET = "jaxkv_decode_attention"
+SOURCE = Path(__file__).with_name("decode_attention.cc")
+FLAGS = [
+    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
+    # Lets the compiler reorder the dot products' sums into vector lanes; infinities and
+    # NaN keep their meaning (no -ffinite-math-only).
+    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("JAXKV_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxkv"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compiles the kernel library if no up-to-date build is cached; returns its path.
+
+    Raises:
+      RuntimeError: no C++ compiler, or the compiler failed (its message included).
+    """
+    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), " ".join(FLAGS), jax.__version__, _jaxlib_version(), version, _cpu_signature(),
+             platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"decode_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        cmd = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, out)  # atomic: a concurrent build finds a whole file or none
+    return out
+
+
+def available() -> bool:
+    """True when the CPU decode-attention kernel is built, loaded and registered.
+
+    The first call compiles it if needed (a few seconds, once per machine); later calls are
+    free. False when ``JAXKV_CPU_KERNEL=0`` or the build failed (warned once).
+    """
+    if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                library = ctypes.cdll.LoadLibrary(str(build()))
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxkvDecodeAttention), platform="cpu")
+                _state["library"] = library
+                _state["ok"] = True
+            except Exception as err:  # noqa: BLE001 - any failure means: use the XLA path
+                _state["ok"] = False
+                warnings.warn(
+                    f"jaxkv: the CPU decode-attention kernel is unavailable ({err}); attention runs the "
+                    "pure-XLA blockwise loop instead (same results, slower on CPU). Set JAXKV_CPU_KERNEL=0 "
+                    "to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return bool(_state["ok"])

@@ -1,0 +1,259 @@
+"""The native CPU decode-attention kernel (jaxkv._kernels) against a float64 NumPy reference.
+
+Head dims with and without the vector path, query groups that do and do not fill its
+groups of four, several tokens per row, windows, soft caps, bf16, fills large enough to be
+split across threads and merged, and the program it makes (one custom call reading the
+cache in place, no copies). The fallback without a compiler runs in subprocesses.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import StaticCache, _kernels
+from jaxkv.attention import cache_attention
+from jaxkv.blockwise import blockwise_attend
+from reference import make_inputs, numpy_attention
+
+# Skipped only where there is no C++ compiler at all; with one, a failed build fails here.
+pytestmark = pytest.mark.skipif(
+    not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler to build the kernel"
+)
+
+
+def dense_reference(q, k, v, q_pos, kv_len, window=None, softcap=None):
+    """Vectorised float64 attention over exactly the visible slots (checked against the
+    per-query loop of `numpy_attention` below, then used where that loop is too slow)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, hq, tokens, dim = q.shape
+    groups = hq // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    slots = np.arange(k.shape[2])
+    filled = slots[None, :] < np.asarray(kv_len)[:, None]  # [B, S]
+    visible = filled[:, None, :] & (slots[None, None, :] <= np.asarray(q_pos)[:, :, None])  # [B, T, S]
+    if window is not None:
+        visible &= np.asarray(q_pos)[:, :, None] - slots[None, None, :] < window
+    visible = visible[:, None]  # [B, 1, T, S]
+    logits = np.einsum("bhtd,bhsd->bhts", q, np.where(filled[:, None, :, None], k, 0.0)) / np.sqrt(dim)
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    logits = np.where(visible, logits, -np.inf)
+    top = logits.max(-1, keepdims=True)
+    weights = np.where(visible, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = weights.sum(-1, keepdims=True)
+    weights = weights / np.where(total > 0, total, 1.0)
+    return np.einsum("bhts,bhsd->bhtd", weights, np.where(filled[:, None, :, None], v, 0.0))
+
+
+def kernel(q, k, v, q_pos, kv_len, **kw):
+    return blockwise_attend(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos, jnp.int32),
+        kv_lengths=jnp.asarray(kv_len, jnp.int32), implementation="kernel", **kw,
+    )
+
+
+def last_positions(kv_len, tokens):
+    return np.stack([np.maximum(n - tokens, 0) + np.arange(tokens) for n in kv_len])
+
+
+def test_dense_reference_equals_the_loop_reference():
+    kv_len = np.array([23, 0, 9])
+    q, k, v = make_inputs(0, 3, 6, 2, 3, 30, 8, kv_len)
+    q_pos = last_positions(kv_len, 3)
+    for window, softcap in [(None, None), (5, 3.0)]:
+        np.testing.assert_allclose(
+            dense_reference(q, k, v, q_pos, kv_len, window, softcap), numpy_attention(q, k, v, q_pos, kv_len, window, softcap),
+            rtol=1e-12, atol=1e-12,
+        )
+
+
+@pytest.mark.parametrize(
+    "dim, groups, tokens, window, softcap",
+    [
+        (64, 4, 1, None, None),  # the vector path, one full group of four queries
+        (16, 1, 1, None, None),  # one query: three empty lanes in the group
+        (32, 2, 3, 7, None),  # six queries: a full group and a half one; window
+        (128, 3, 2, None, 4.0),  # soft cap
+        (64, 8, 16, 40, 5.0),  # the most tokens the kernel takes
+        (24, 2, 2, None, None),  # a head dim off the vector path: the scalar loops
+        (4, 5, 1, 3, None),
+    ],
+)
+def test_kernel_matches_reference(dim, groups, tokens, window, softcap):
+    kv_len = np.array([300, 37, 0, 1])
+    q, k, v = make_inputs(dim + groups, 4, 2 * groups, 2, tokens, 300, dim, kv_len)
+    q_pos = last_positions(kv_len, tokens)
+    got = kernel(q, k, v, q_pos, kv_len, sliding_window=window, logit_softcap=softcap)
+    want = dense_reference(q, k, v, q_pos, kv_len, window, softcap)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got[2]).any()  # an empty row sees nothing: zeros
+
+
+def test_queries_past_the_fill_and_before_it():
+    """Positions need not be the last ones: a query before the fill sees a prefix, one past
+    it sees all of it (the kernel must not read beyond kv_lengths either way)."""
+    kv_len = np.array([50, 50])
+    q, k, v = make_inputs(1, 2, 4, 2, 3, 64, 16, kv_len)
+    q_pos = np.array([[0, 20, 60], [49, 3, 100]])
+    for window in (None, 10):
+        got = kernel(q, k, v, q_pos, kv_len, sliding_window=window)
+        np.testing.assert_allclose(np.asarray(got), dense_reference(q, k, v, q_pos, kv_len, window), rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_cache_and_queries():
+    kv_len = np.array([200, 120])
+    q, k, v = make_inputs(2, 2, 8, 2, 2, 256, 64, kv_len)
+    q_pos = last_positions(kv_len, 2)
+    as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    got = kernel(*as_bf16, q_pos, kv_len)
+    assert got.dtype == jnp.bfloat16
+    # Reference on the bf16-rounded inputs: what is left is the kernel's f32 arithmetic
+    # and one rounding of the output to bf16 (relative 2^-8).
+    rounded = [np.asarray(x, np.float32) for x in as_bf16]
+    want = dense_reference(*rounded, q_pos, kv_len)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=2**-8)
+    # f32 queries over a bf16 cache: f32 out.
+    mixed = kernel(q, *as_bf16[1:], q_pos, kv_len)
+    assert mixed.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(mixed), dense_reference(q, *rounded[1:], q_pos, kv_len), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3000])
+def test_long_fills_split_across_threads_and_merged(window):
+    """Fills large enough to be cut into pieces run on several threads; each piece has its
+    own softmax state, merged at the end. Rows of different lengths get different pieces."""
+    kv_len = np.array([20000, 9001, 513])
+    q, k, v = make_inputs(3, 3, 8, 2, 2, 20000, 64, kv_len)
+    q_pos = last_positions(kv_len, 2)
+    got = kernel(q, k, v, q_pos, kv_len, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), dense_reference(q, k, v, q_pos, kv_len, window), rtol=2e-5, atol=2e-5)
+
+
+def test_stacked_cache_layer_index_traced_and_checked():
+    kv_len = np.array([40, 17])
+    layers = [make_inputs(s, 2, 4, 2, 1, 48, 16, kv_len) for s in range(3)]
+    q = jnp.asarray(layers[0][0])
+    keys = jnp.stack([jnp.asarray(k) for _, k, _ in layers])
+    values = jnp.stack([jnp.asarray(v) for _, _, v in layers])
+    q_pos = last_positions(kv_len, 1)
+    step = jax.jit(lambda q, k, v, i: blockwise_attend(
+        q, k, v, layer_idx=i, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
+        implementation="kernel"))
+    for layer in range(3):
+        want = dense_reference(np.asarray(q), np.asarray(keys[layer]), np.asarray(values[layer]), q_pos, kv_len)
+        np.testing.assert_allclose(np.asarray(step(q, keys, values, jnp.int32(layer))), want, rtol=2e-5, atol=2e-5)
+    # A bad traced index is an error, never a read of another layer's (or no layer's) memory.
+    with pytest.raises(Exception, match=r"layer index 3 is outside \[0, 3\)"):
+        step(q, keys, values, jnp.int32(3)).block_until_ready()
+
+
+def test_decode_step_program_reads_the_cache_in_place():
+    """A jitted, donated decode step: one custom call, no conditional, no cache-sized copy."""
+    cache = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=64, max_length=4096)
+    kv = jnp.ones((2, 2, 1, 64))
+    q = jnp.ones((2, 8, 1, 64))
+
+    def step(cache, q, kv):
+        positions = cache.seq_lengths(0)[:, None]
+        for layer in range(2):
+            out, cache = cache_attention(q, kv, kv, cache, layer, positions=positions)
+            # As in a model, the next layer's inputs come from this layer's output: that
+            # orders the next write after this read, so the write can happen in place.
+            q = q + out
+            kv = kv + out[:, :2]
+        return q, cache
+
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, q, kv).compile().as_text()
+    assert hlo.count('custom_call_target="jaxkv_decode_attention"') == 2, hlo
+    assert "conditional" not in hlo
+    buffer = "f32[2,2,2,4096,64]"
+    assert not [line for line in hlo.splitlines() if " copy(" in line and buffer in line]
+
+
+def test_vmap_and_forward_derivative():
+    kv_len = np.array([30, 11])
+    q, k, v = make_inputs(4, 2, 4, 2, 1, 32, 16, kv_len)
+    q_pos = last_positions(kv_len, 1)
+
+    def run(impl, q, k, v):
+        return blockwise_attend(q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                kv_lengths=jnp.asarray(kv_len, jnp.int32), implementation=impl)
+
+    # vmap over a leading axis of queries: each slice equals its own call.
+    qs = jnp.stack([jnp.asarray(q), 2 * jnp.asarray(q)])
+    batched = jax.vmap(lambda q: run("kernel", q, jnp.asarray(k), jnp.asarray(v)))(qs)
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(batched[i]), dense_reference(np.asarray(qs[i]), k, v, q_pos, kv_len),
+                                   rtol=2e-5, atol=2e-5)
+    # Forward-mode derivatives come from the XLA loop; finite differences check them.
+    dq = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
+    primal, tangent = jax.jvp(lambda q: run("kernel", q, jnp.asarray(k), jnp.asarray(v)), (jnp.asarray(q),), (dq,))
+    np.testing.assert_allclose(np.asarray(primal), dense_reference(q, k, v, q_pos, kv_len), rtol=2e-5, atol=2e-5)
+    eps = 1e-4
+    numeric = (dense_reference(q + eps * np.asarray(dq), k, v, q_pos, kv_len)
+               - dense_reference(q - eps * np.asarray(dq), k, v, q_pos, kv_len)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(tangent), numeric, rtol=1e-3, atol=1e-3)
+
+
+def test_what_the_kernel_does_not_take():
+    q = jnp.zeros((1, 2, 17, 16))
+    k = jnp.zeros((1, 1, 32, 16))
+    kw = dict(q_positions=jnp.zeros((1, 17), jnp.int32), kv_lengths=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="17 queries, the kernel takes at most 16"):
+        blockwise_attend(q, k, k, implementation="kernel", **kw)
+    # "auto" sends a long chunk to the XLA loop instead.
+    hlo = jax.jit(lambda q, k: blockwise_attend(q, k, k, **kw)).lower(q, k).as_text()
+    assert "jaxkv_decode_attention" not in hlo
+    with pytest.raises(ValueError, match="float16"):
+        blockwise_attend(q[:, :, :1].astype(jnp.float16), k.astype(jnp.float16), k.astype(jnp.float16),
+                         q_positions=kw["q_positions"][:, :1], kv_lengths=kw["kv_lengths"], implementation="kernel")
+
+
+def test_build_is_cached():
+    first = _kernels.build()
+    stamp = os.stat(first).st_mtime_ns
+    assert _kernels.build() == first and os.stat(first).st_mtime_ns == stamp
+
+
+FALLBACK = textwrap.dedent(
+    """
+    import warnings
+    import jax.numpy as jnp, numpy as np
+    from jaxkv import _kernels
+    from jaxkv.blockwise import blockwise_attend
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = _kernels.available()
+    print("available", ok, "warned", any("kernel is unavailable" in str(w.message) for w in caught))
+    q = jnp.ones((1, 2, 1, 16)); k = jnp.arange(1 * 1 * 8 * 16, dtype=jnp.float32).reshape(1, 1, 8, 16) / 100
+    kw = dict(q_positions=jnp.array([[4]], jnp.int32), kv_lengths=jnp.array([5], jnp.int32))
+    out = blockwise_attend(q, k, k, **kw)
+    print("auto", float(out.sum()))
+    try:
+        blockwise_attend(q, k, k, implementation="kernel", **kw)
+    except ValueError as err:
+        print("kernel refused:", "could not be built" in str(err))
+    """
+)
+
+
+@pytest.mark.parametrize("env", [{"JAXKV_CPU_KERNEL": "0"}, {"CXX": "/bin/false"}], ids=["disabled", "no-compiler"])
+def test_without_the_kernel_everything_falls_back_to_xla(env, tmp_path):
+    full_env = {**os.environ, "JAXKV_KERNEL_CACHE": str(tmp_path), **env}
+    done = subprocess.run([sys.executable, "-c", FALLBACK], env=full_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"available False warned {env.get('CXX') is not None}"
+    # The XLA loop's answer equals the reference.
+    q = np.ones((1, 2, 1, 16))
+    k = np.arange(8 * 16, dtype=np.float32).reshape(1, 1, 8, 16) / 100
+    want = dense_reference(q, k, k, np.array([[4]]), np.array([5])).sum()
+    assert abs(float(lines[1].split()[1]) - want) < 1e-3 * abs(want)
+    assert lines[2] == "kernel refused: True"
