@@ -82,6 +82,8 @@ def test_dense_reference_equals_the_loop_reference():
         (32, 2, 3, 7, None),  # six queries: a full group and a half one; window
         (128, 3, 2, None, 4.0),  # soft cap
         (64, 8, 16, 40, 5.0),  # the most tokens the kernel takes
+        (256, 2, 1, None, None),  # Gemma's head dim
+        (80, 1, 2, 9, None),  # a multiple of 16 that is not a power of two
         (24, 2, 2, None, None),  # a head dim off the vector path: the scalar loops
         (4, 5, 1, 3, None),
     ],

@@ -34,8 +34,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kChunk = 128;          // slots scored before their values are read
-constexpr int64_t kMinPiece = 512;       // smallest slot range worth a task of its own
-constexpr int64_t kSerialSlots = 8192;   // below this many (row, head, slot) reads: one thread
+constexpr int64_t kMinPiece = 256;       // smallest slot range worth a task of its own
+constexpr int64_t kSerialSlots = 2048;   // below this many (row, head, slot) reads: one thread
 constexpr int64_t kPrefetchBytes = 16384;  // how far ahead rows are requested
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -299,8 +299,12 @@ void run_piece(const Problem& pb, const Piece& pc, float* part) {
   switch (pb.head_dim) {
     case 16: return run_piece_vec<KV, 16>(pb, pc, part);
     case 32: return run_piece_vec<KV, 32>(pb, pc, part);
+    case 48: return run_piece_vec<KV, 48>(pb, pc, part);
     case 64: return run_piece_vec<KV, 64>(pb, pc, part);
+    case 80: return run_piece_vec<KV, 80>(pb, pc, part);
+    case 96: return run_piece_vec<KV, 96>(pb, pc, part);
     case 128: return run_piece_vec<KV, 128>(pb, pc, part);
+    case 256: return run_piece_vec<KV, 256>(pb, pc, part);  // queries spill to L1: still far ahead of scalar
     default: return run_piece_scalar<KV>(pb, pc, part);
   }
 }
@@ -317,9 +321,9 @@ struct Shared {
 };
 
 template <typename Work>
-void drain(Shared& shared, const Work& work) {
+void drain(Shared& shared, const Work* work) {  // `work` is dereferenced only for a claimed item
   for (int64_t i; (i = shared.next.fetch_add(1)) < shared.total;) {
-    work(i);
+    (*work)(i);
     if (shared.done.fetch_add(1) + 1 == shared.total) {
       std::lock_guard<std::mutex> lock(shared.mu);
       shared.cv.notify_all();
@@ -331,12 +335,12 @@ template <typename Work>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Work& work) {
   auto shared = std::make_shared<Shared>();
   shared->total = n;
-  // A task that starts after all items are claimed touches only `shared` (kept alive by its
-  // own copy) and finds no work; `work` is used only for claimed items, before we return.
+  // A task that starts after every item is claimed touches only `shared` (kept alive by its
+  // own copy) and finds no work; `work` outlives every claimed item, as we wait for them.
   for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([shared, work_ptr = &work]() { drain(*shared, *work_ptr); });
+    pool.Schedule([shared, work_ptr = &work]() { drain(*shared, work_ptr); });
   }
-  drain(*shared, work);
+  drain(*shared, &work);
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->cv.wait(lock, [&] { return shared->done.load() == shared->total; });
 }
@@ -381,6 +385,14 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   pb.slots = kd[3];
   if (kd[1] != pb.batch || kd[4] != pb.head_dim || pb.kv_heads == 0 || pb.q_heads % pb.kv_heads) {
     return ffi::Error::InvalidArgument("jaxkv decode_attention: q " + dims_str(qd) + " does not fit keys " + dims_str(kd));
+  }
+  const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
+  if (!is_float(q.element_type()) || !is_float(keys.element_type()) || out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jaxkv decode_attention: queries and cache must be float32 or bfloat16, and the output the queries' dtype");
+  }
+  if (q_pos.element_count() != size_t(pb.batch * pb.tokens) || kv_len.element_count() != size_t(pb.batch) ||
+      layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument("jaxkv decode_attention: q_pos must be [B, T], kv_len [B] and layer a scalar");
   }
   const int32_t li = layer.typed_data()[0];
   if (li < 0 || li >= num_layers) {
