@@ -35,6 +35,7 @@ subprocesses (see :func:`memory_report`).
     python benchmarks/bench_generate.py --quick    # smoke run (~1 min), writes nothing
     python benchmarks/bench_generate.py --memory-only  # only the memory table (updates the JSON)
     python benchmarks/bench_generate.py --plot-only  # redraw docs/decode_step_time.png
+    python benchmarks/bench_generate.py --profile 8 2048  # where jaxkv's step goes, by op
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from common import machine, print_table, write_json  # noqa: E402
+from jaxkv import generation  # noqa: E402
 
 STRATEGIES = ("jaxkv", "hf_dynamic", "hf_static", "nnx")
 GOALS = {"hf_dynamic": 5.0, "hf_static": 5.0, "nnx": 1.2}
@@ -173,20 +175,14 @@ def best_time(fn, repeats: int) -> float:
     return min(samples)
 
 
-def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
-    """Decode steps of ``jaxkv.generate``, timed apart from the prefill.
+def jaxkv_decode_loop(model, ids: np.ndarray, steps: int):
+    """``generate``'s decode steps as one program, apart from its prefill.
 
-    The prompt is prefilled once (``generation.prefill``, as inside ``generate``); then one
-    jitted program runs ``steps`` calls of ``generation.decode_step`` (the body of
-    ``generate``'s while loop) in a ``lax.fori_loop`` on a donated copy of that cache. Step
-    time = program time / steps, best of ``repeats``. Its tokens are checked equal to
-    ``jaxkv.generate``'s, so this is the same computation without the prefill in the clock
-    (subtracting a 1-token ``generate`` from an N-token one let prefill noise swamp the
-    steps at long contexts).
+    Returns ``run()``, which runs ``steps`` calls of ``generation.decode_step`` (the body of
+    ``generate``'s while loop) in a jitted ``lax.fori_loop`` on a donated copy of the
+    prefilled cache and returns the tokens. The copy is made before the clock starts in
+    :func:`time_jaxkv`; ``run`` itself includes it (use ``run.decode`` and ``run.fresh``).
     """
-    import jaxkv
-    from jaxkv import generation
-
     ids = jnp.asarray(ids)
     batch, prompt = ids.shape
     graphdef, state = nnx.split(model)
@@ -210,18 +206,56 @@ def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
         return out, cache  # returned, so the donated input buffers become the loop's own
 
     first, cache = prefilled()
-    want = jaxkv.generate(model, ids, steps + 1).tokens
-    got, _ = decode(first, jax.tree.map(jnp.copy, cache))
-    if not np.array_equal(np.asarray(got), np.asarray(want)):
+
+    def fresh():
+        return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+
+    def run():
+        return jax.block_until_ready(decode(first, fresh()))[0]
+
+    run.decode, run.fresh, run.first = decode, fresh, first
+    return run
+
+
+def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
+    """Decode steps of ``jaxkv.generate``, timed apart from the prefill.
+
+    One jitted program runs ``steps`` decode steps (:func:`jaxkv_decode_loop`); step time =
+    program time / steps, best of ``repeats``. Its tokens are checked equal to
+    ``jaxkv.generate``'s, so this is the same computation without the prefill in the clock
+    (subtracting a 1-token ``generate`` from an N-token one let prefill noise swamp the
+    steps at long contexts).
+    """
+    import jaxkv
+
+    run = jaxkv_decode_loop(model, ids, steps)
+    want = jaxkv.generate(model, jnp.asarray(ids), steps + 1).tokens
+    if not np.array_equal(np.asarray(run()), np.asarray(want)):
         raise AssertionError("the timed decode loop's tokens differ from jaxkv.generate's")
     samples = []
     for _ in range(repeats):
-        fresh = jax.tree.map(jnp.copy, cache)
-        jax.block_until_ready(fresh)
+        cache = run.fresh()
         start = time.perf_counter()
-        jax.block_until_ready(decode(first, fresh))
+        jax.block_until_ready(run.decode(run.first, cache))
         samples.append(time.perf_counter() - start)
     return min(samples) / steps
+
+
+def profile_cell(config: BenchConfig, batch: int, context: int, steps: int) -> None:
+    """Where one cell's decode step goes, by op (XLA:CPU profiler; the cache copies made
+    before each timed call show up as ``copy``)."""
+    from common import op_times
+
+    with tempfile.TemporaryDirectory() as directory:
+        _, model = build_models(config, directory)
+    ids = np.random.default_rng(0).integers(1, config.vocab_size, (batch, context))
+    run = jaxkv_decode_loop(model, ids, steps)
+    ops = op_times(run, calls=3, top=30)
+    print(f"\nB={batch} context={context}: ops by time, us per decode step ({steps} steps per call)")
+    print_table(["op", "us per step", "runs per call"], [[name, f"{ms / steps * 1e3:.0f}", f"{n:.0f}"] for name, ms, n in ops])
+    attention = sum(ms for name, ms, _ in ops if name.startswith("ffi_call"))
+    print(f"attention kernel calls (ffi_call): {attention / steps * 1e3:.0f} us per step of "
+          f"{sum(ms for _, ms, _ in ops) / steps * 1e3:.0f} us in the ops listed")
 
 
 def hf_generate(hf, ids: np.ndarray, steps: int, cache: str | None, stamps: list | None = None):
@@ -514,7 +548,7 @@ def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in payload["rows"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.6), squeeze=False)
     labels = {"jaxkv": "jaxkv.generate", "hf_dynamic": "transformers (dynamic cache)",
               "hf_static": "transformers (static cache)", "nnx": "Flax NNX MultiHeadAttention(decode=True)"}
     for ax, batch in zip(axes[0], batches):
@@ -531,12 +565,13 @@ def plot(payload: dict, path: str) -> None:
         ax.set_ylabel("decode step time (ms)")
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3)
     c = payload["config"]
     fig.suptitle(f"Decode step time, Llama L={c['num_layers']} E={c['hidden_size']} Hq={c['num_heads']} "
                  f"H={c['num_kv_heads']} D={c['head_dim']} V={c['vocab_size']}, f32, "
                  f"{payload['machine']['backend']} ({payload['machine']['cpus']} cores, shared)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room for the legend below the panels
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -559,8 +594,13 @@ def main() -> None:
     parser.add_argument("--png", default=str(ROOT / "docs" / "decode_step_time.png"))
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--memory-only", action="store_true", help="only the memory table (updates the JSON)")
+    parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
+                        help="only a profiler breakdown of jaxkv's decode step in one cell")
     args = parser.parse_args()
 
+    if args.profile:
+        profile_cell(FULL, *args.profile, steps=64)
+        return
     if args.plot_only:
         with open(args.json) as f:
             plot(json.load(f), args.png)

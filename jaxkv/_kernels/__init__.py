@@ -8,7 +8,8 @@ ctypes and registered as the FFI target ``jaxkv_decode_attention`` for the CPU p
 Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_KERNEL=0``,
 :func:`available` is False and attention runs the pure-XLA blockwise loop (one warning says
 why when a build fails). ``JAXKV_KERNEL_CACHE`` overrides the cache directory (default
-``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``).
+``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``; a temporary directory if that cannot be
+written).
 """
 
 from __future__ import annotations
@@ -84,10 +85,21 @@ def build(compiler: str | None = None) -> Path:
              platform.machine()]
         ).encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"decode_attention-{key}.so"
+    candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"jaxkv-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
+    for directory in candidates:
+        if (directory / name).exists():
+            return directory / name
+    for directory in candidates:  # the first one we can write to (a read-only home falls back to /tmp)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]}")
+    out = directory / name
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         cmd = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
