@@ -431,7 +431,11 @@ def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM to the current 
 tiny = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
 jaxkv.generate(tiny, jnp.ones((1, 16), jnp.int32), 2).tokens.block_until_ready()  # runtime loaded and warm
 from jaxkv.models import from_pretrained
+import ctypes
 gc.collect()
+# Free heap pages left by the warm-up go back to the OS first: from_pretrained ends with
+# malloc_trim, which would otherwise hand them back too and shrink the weights' growth.
+ctypes.CDLL("libc.so.6").malloc_trim(0)
 before_model = status("VmRSS")
 model = from_pretrained({checkpoint!r}).model  # what a user does: safetensors -> device arrays
 jax.block_until_ready(nnx.state(model))

@@ -82,7 +82,9 @@ def blockwise_attend(
         be built, else the XLA loop; on other platforms the XLA loop. ``"xla"``: always the
         XLA loop. ``"kernel"``: the native kernel on CPU, an error if it is unavailable or
         the inputs are outside what it takes. Both compute the same function; derivatives
-        always come from the XLA loop.
+        always come from the XLA loop. Under ``jax.vmap`` the kernel runs once per mapped
+        element, in sequence; over a sharded cache XLA gathers its operands first (correct,
+        not fast: shard along rows with ``shard_map`` to keep the reads local).
 
     Returns:
       [B, Hq, T, D] in the dtype of ``queries``; a query that sees nothing gets zeros.
@@ -114,6 +116,8 @@ def blockwise_attend(
         )
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"blockwise_attend: sliding_window must be a positive int, got {sliding_window!r}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"blockwise_attend: logit_softcap must be positive or None, got {logit_softcap!r}.")
     if block_size is None:
         block_size = 512 if queries.shape[2] <= 16 else 128
     if not isinstance(block_size, int) or block_size < 1:

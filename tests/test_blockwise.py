@@ -94,6 +94,7 @@ def test_blockwise_bf16_inputs_keep_dtype(impl):
         (dict(sliding_window=0), "sliding_window must be a positive int"),
         (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths"),
         (dict(implementation="pallas"), "implementation must be"),
+        (dict(logit_softcap=0.0), "logit_softcap must be positive"),
     ],
 )
 def test_blockwise_bad_input(kwargs, match):

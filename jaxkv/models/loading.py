@@ -7,9 +7,11 @@ downloaded. Every failure names the file (and the tensor key where there is one)
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,6 +187,22 @@ def _load_tensors(
     return loaded
 
 
+def _release_free_heap() -> None:
+    """Returns the heap pages freed by loading (each tensor's host copy) to the OS.
+
+    glibc keeps freed memory for reuse, so after a load the process holds a few MiB more
+    than its weights until something else reuses them (measured: 25 -> 21 MiB of RSS growth
+    for 19.5 MiB of float32 weights, ``benchmarks/bench_generate.py --memory-only``).
+    ``malloc_trim`` hands them back; elsewhere (no glibc) this does nothing.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pretrained:
     """Loads an HF-format Llama / Mistral / Qwen2 / Qwen3 checkpoint from a local directory.
 
@@ -229,6 +247,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pre
     tensors = _load_tensors(config, directory, dtype, {p: var.get_value().shape for p, var in flat_state})
     flat = [(p, var.replace(tensors[p])) for p, var in flat_state]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    _release_free_heap()
 
     tokenizer = None
     tokenizer_path = os.path.join(directory, TOKENIZER_FILE)
