@@ -62,3 +62,20 @@ def test_sampling_frequencies_follow_filtered_distribution():
 def test_bad_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+def test_greedy_equals_numpy_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(0)
+    rows = [
+        rng.standard_normal(37),
+        np.array([1.0, 3.0, 3.0, -2.0, 3.0]),  # ties: the lowest id
+        np.array([-np.inf, -np.inf, -np.inf]),  # all -inf: id 0, as argmax
+        np.array([0.5, np.inf, 2.0, np.inf]),
+        np.array([0.5, np.nan, 9.0, np.nan]),  # a NaN wins, the first one (as jnp/np.argmax)
+        np.round(rng.standard_normal(37), 1),  # many ties
+    ]
+    for row in rows:
+        logits = jnp.asarray(np.tile(row, (3, 1)), jnp.float32)
+        want = np.argmax(np.asarray(logits), axis=-1)
+        np.testing.assert_array_equal(np.asarray(greedy(logits)), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(greedy)(logits)), want)
