@@ -84,7 +84,9 @@ def blockwise_attend(
         the inputs are outside what it takes. Both compute the same function; derivatives
         always come from the XLA loop. Under ``jax.vmap`` the kernel runs once per mapped
         element, in sequence; over a sharded cache XLA gathers its operands first (correct,
-        not fast: shard along rows with ``shard_map`` to keep the reads local).
+        not fast: shard along rows with ``shard_map`` to keep the reads local). A program
+        serialised with ``jax.export`` names the kernel's custom call, which only a process
+        that has built it can run: export with ``JAXKV_CPU_KERNEL=0`` (or ``"xla"``).
 
     Returns:
       [B, Hq, T, D] in the dtype of ``queries``; a query that sees nothing gets zeros.
