@@ -146,16 +146,32 @@ inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float s
   return correction;
 }
 
+// What a piece reads: its kv head's keys and values ([S, D] each), its queries ([G, T, D],
+// contiguous) and each query's visible range; the queries' states are reset in `part`.
+template <typename KV>
+struct PieceView {
+  const KV* keys;
+  const KV* values;
+  const float* queries;
+  std::vector<int64_t> lo, hi;
+  PieceView(const Problem& pb, const Piece& pc, float* part)
+      : lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens) {
+    const int64_t head = pc.row * pb.kv_heads + pc.head;
+    keys = static_cast<const KV*>(pb.keys) + head * pb.slots * pb.head_dim;
+    values = static_cast<const KV*>(pb.values) + head * pb.slots * pb.head_dim;
+    queries = pb.q + head * pb.groups * pb.tokens * pb.head_dim;
+    visible_ranges(pb, pc, part, lo.data(), hi.data());
+  }
+};
+
 // Any head dim: one query at a time, plain loops.
 template <typename KV>
 void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
   const int64_t D = pb.head_dim, nq = pb.groups * pb.tokens;
-  const int64_t base = (pc.row * pb.kv_heads + pc.head) * pb.slots * D;
-  const KV* keys = static_cast<const KV*>(pb.keys) + base;
-  const KV* values = static_cast<const KV*>(pb.values) + base;
-  const float* queries = pb.q + (pc.row * pb.kv_heads + pc.head) * nq * D;  // [G, T, D]
-  std::vector<int64_t> lo(nq), hi(nq);
-  visible_ranges(pb, pc, part, lo.data(), hi.data());
+  const PieceView<KV> in(pb, pc, part);
+  const KV *keys = in.keys, *values = in.values;
+  const float* queries = in.queries;
+  const std::vector<int64_t>&lo = in.lo, &hi = in.hi;
   float scores[kChunk];
   for (int64_t qi = 0; qi < nq; ++qi) {
     const float* q = queries + qi * D;
@@ -230,12 +246,10 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
   constexpr int kNV = kD / 16, kQB = 4;
   constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / (kD * int64_t(sizeof(KV))));
   const int64_t nq = pb.groups * pb.tokens;
-  const int64_t base = (pc.row * pb.kv_heads + pc.head) * pb.slots * kD;
-  const KV* keys = static_cast<const KV*>(pb.keys) + base;
-  const KV* values = static_cast<const KV*>(pb.values) + base;
-  const float* queries = pb.q + (pc.row * pb.kv_heads + pc.head) * nq * kD;  // [G, T, D]
-  std::vector<int64_t> lo(nq), hi(nq);
-  visible_ranges(pb, pc, part, lo.data(), hi.data());
+  const PieceView<KV> in(pb, pc, part);
+  const KV *keys = in.keys, *values = in.values;
+  const float* queries = in.queries;
+  const std::vector<int64_t>&lo = in.lo, &hi = in.hi;
   alignas(64) float scores[kQB][kChunk];
   for (int64_t g0 = 0; g0 < nq; g0 += kQB) {
     const int nb = int(std::min<int64_t>(kQB, nq - g0));
