@@ -32,11 +32,13 @@ zeroed before use.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _kernels
 
@@ -83,8 +85,8 @@ def blockwise_attend(
         XLA loop. ``"kernel"``: the native kernel on CPU, an error if it is unavailable or
         the inputs are outside what it takes. Both compute the same function; derivatives
         always come from the XLA loop. Under ``jax.vmap`` the kernel runs once per mapped
-        element, in sequence; over a sharded cache XLA gathers its operands first (correct,
-        not fast: shard along rows with ``shard_map`` to keep the reads local). A program
+        element, in sequence; over a cache sharded by rows and/or kv heads each device runs
+        it on its own shard (no gather; query heads must split like the kv heads). A program
         serialised with ``jax.export`` names the kernel's custom call, which only a process
         that has built it can run: export with ``JAXKV_CPU_KERNEL=0`` (or ``"xla"``).
 
@@ -173,7 +175,7 @@ def _kernel_unsuitable(queries: jax.Array, keys: jax.Array) -> str | None:
     return None
 
 
-def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
+def _ffi_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
     call = jax.ffi.ffi_call(
         _kernels.TARGET, jax.ShapeDtypeStruct(queries.shape, queries.dtype), vmap_method="sequential"
     )
@@ -183,6 +185,91 @@ def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window,
         softcap=np.float32(logit_softcap or 0.0),
         scale=np.float32(scale),
     )
+
+
+def _local_axes(mesh, arg_shapes):
+    """The mesh axes of the cache's rows and kv heads that each device can keep local.
+
+    Rows split freely; kv heads split only where the query heads split the same way (so
+    each device holds whole groups: query head i reads kv head i // G).
+    """
+    keys = arg_shapes[1]
+    spec = tuple(getattr(keys.sharding, "spec", ())) + (None,) * 5
+    rows, heads = spec[1], spec[2]
+
+    def size(axes):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return int(np.prod([mesh.shape[name] for name in names if name is not None]))
+
+    q_heads, kv_heads = arg_shapes[0].shape[1], keys.shape[2]
+    if heads is not None and (q_heads % size(heads) or kv_heads % size(heads)):
+        heads = None
+    return rows, heads
+
+
+@lru_cache(maxsize=None)
+def _partitioned_kernel(sliding_window, logit_softcap, scale):
+    """The kernel call, split by rows and kv heads over a sharded cache.
+
+    Without this, XLA's partitioner knows nothing of the custom call and gathers the whole
+    cache onto every device before it. Each device now runs the kernel on its own rows and
+    heads; the output comes back sharded the same way. On one device it is the plain call.
+    """
+    static = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+
+    @custom_partitioning
+    def call(queries, keys, values, layer, q_pos, kv_len):
+        return _ffi_call(queries, keys, values, layer, q_pos, kv_len, **static)
+
+    def shardings(mesh, arg_shapes):
+        rows, heads = _local_axes(mesh, arg_shapes)
+        named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+        args = (named(rows, heads, None, None), named(None, rows, heads, None, None),
+                named(None, rows, heads, None, None), named(), named(rows, None), named(rows))
+        return args, named(rows, heads, None, None)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes)[1]
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, out = shardings(mesh, arg_shapes)
+        return mesh, partial(_ffi_call, **static), out, args
+
+    call.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        # queries [B, Hq, T, D], keys and values [L, B, H, S, D], layer [], q_pos [B, T], kv_len [B]
+        sharding_rule="b h t d, l b k s d, l b k s d, , b t, b -> b h t d",
+    )
+    return call
+
+
+@lru_cache(maxsize=None)
+def _batchable_kernel(sliding_window, logit_softcap, scale):
+    """The partitioned kernel under ``jax.vmap``: one call per mapped element, in sequence
+    (``lax.map``), as the partitioning wrapper has no batching rule of its own."""
+    call = _partitioned_kernel(sliding_window, logit_softcap, scale)
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return call(*args)
+
+    @batchable.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        mapped = tuple(x for x, b in zip(args, in_batched) if b)
+
+        def one(slices):  # unmapped operands (a shared cache, say) are used as they are
+            it = iter(slices)
+            return batchable(*[next(it) if b else x for x, b in zip(args, in_batched)])
+
+        return jax.lax.map(one, mapped), True
+
+    return batchable
+
+
+def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
+    call = _batchable_kernel(sliding_window, None if logit_softcap is None else float(logit_softcap), float(scale))
+    return call(queries, keys, values, layer, q_pos, kv_len)
 
 
 def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size):

@@ -93,6 +93,13 @@ ATTENTION = textwrap.dedent(
     got, cache = jax.jit(run)(sharded, put(q), put(k), put(v))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert cache.keys.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", "model")), 5)
+    # Each device attends over its own rows and kv heads: the kernel sees local shapes and
+    # nothing gathers the cache; the output stays sharded like the queries.
+    hlo = jax.jit(run).lower(sharded, put(q), put(k), put(v)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxkv_decode_attention"' in line]
+    assert calls and all("f32[1,2,5,16]" in line.split("custom-call")[0] for line in calls), calls
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and ",64,16]" in line]
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), got.sharding
     # Rows past num_new are padding: not attended to, not stored.
     np.testing.assert_array_equal(cache.seq_lengths(1), num_new)
     print("ok")
@@ -102,7 +109,8 @@ ATTENTION = textwrap.dedent(
 
 def test_attention_over_a_sharded_cache_equals_unsharded():
     """Decode attention (the native kernel on CPU) over a cache sharded by rows and kv heads
-    gives the unsharded result and leaves the cache sharded."""
+    gives the unsharded result, runs on each device's own shard (no gathered cache) and
+    leaves the cache sharded."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
