@@ -15,10 +15,10 @@ Two implementations compute this same function:
   rows, a window's start) pay for masks, and a last block holding few tokens is read at
   1/2, 1/4 or 1/8 of its size. On XLA:CPU each block is copied out of the buffer before its
   products (a dot cannot read a slice of a larger buffer in place), one thread at a time:
-  15-17% of the machine's read bandwidth.
+  15-20% of the machine's read bandwidth.
 * On CPU, for decode-sized calls (up to 16 queries per row, f32/bf16), a native kernel
   (:mod:`jaxkv._kernels`, an XLA FFI custom call built on first use) that reads the visible
-  slots where they lie in the stacked buffer, once, on all cores: 83-92% of the read
+  slots where they lie in the stacked buffer, once, on all cores: 76-92% of the read
   bandwidth. ``implementation="auto"`` (the default) picks it when it applies.
 
 ``benchmarks/bench_attention.py`` measures both side by side.
