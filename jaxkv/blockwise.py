@@ -136,14 +136,11 @@ def blockwise_attend(
     if implementation == "xla":
         return xla(*args)
     why_not = _kernel_unsuitable(queries, keys)
-    if why_not and implementation == "kernel":
-        raise ValueError(f"blockwise_attend: implementation='kernel' cannot run here: {why_not}.")
-    if why_not or not _kernels.available():
+    if why_not is None and not _kernels.available():
+        why_not = "the native kernel could not be built or loaded (see the warning above, or JAXKV_CPU_KERNEL=0 is set)"
+    if why_not:
         if implementation == "kernel":
-            raise ValueError(
-                "blockwise_attend: implementation='kernel' but the native kernel could not be built or loaded "
-                "(see the warning above, or JAXKV_CPU_KERNEL=0 is set); use implementation='auto'."
-            )
+            raise ValueError(f"blockwise_attend: implementation='kernel' cannot run here: {why_not}; use 'auto'.")
         return xla(*args)
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
 
@@ -176,9 +173,8 @@ def _kernel_unsuitable(queries: jax.Array, keys: jax.Array) -> str | None:
 
 
 def _ffi_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
-    call = jax.ffi.ffi_call(
-        _kernels.TARGET, jax.ShapeDtypeStruct(queries.shape, queries.dtype), vmap_method="sequential"
-    )
+    # vmap never reaches this call: _batchable_kernel maps it first.
+    call = jax.ffi.ffi_call(_kernels.TARGET, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
     return call(
         queries, keys, values, layer, q_pos, kv_len,
         window=np.int64(sliding_window or 0),

@@ -124,6 +124,14 @@ def test_blockwise_reads_a_stacked_cache_by_layer_index(impl):
         blockwise_attend(q, keys[0], values[0], layer_idx=0, **kw)
 
 
+def assert_xla_loop_matches_reference(q, k, v, q_pos, kv_len, window, block_size):
+    got = jax.jit(lambda q, k, v: blockwise_attend(
+        q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
+        sliding_window=window, block_size=block_size, implementation="xla",
+    ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, q_pos, kv_len, window), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize(
     "kv_len, q_pos, window",
     [
@@ -139,12 +147,7 @@ def test_unmasked_blocks_and_masked_edges_equal_reference(kv_len, q_pos, window)
     NaN in unfilled slots proves the unmasked body never reads a slot it should not."""
     kv_len, q_pos = np.array(kv_len), np.array(q_pos)
     q, k, v = make_inputs(5, 2, 4, 2, q_pos.shape[1], 48, 8, kv_len)
-    got = jax.jit(lambda q, k, v: blockwise_attend(
-        q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
-        sliding_window=window, block_size=8, implementation="xla",
-    ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-    want = numpy_attention(q, k, v, q_pos, kv_len, window)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert_xla_loop_matches_reference(q, k, v, q_pos, kv_len, window, block_size=8)
 
 
 @pytest.mark.parametrize("window", [None, 50])
@@ -155,9 +158,4 @@ def test_quarter_block_tail_equals_reference(kv_len, window):
     kv_len = np.array(kv_len)
     q_pos = (kv_len - 1)[:, None]
     q, k, v = make_inputs(6, 2, 4, 2, 1, 200, 8, kv_len)
-    got = jax.jit(lambda q, k, v: blockwise_attend(
-        q, k, v, q_positions=jnp.asarray(q_pos, jnp.int32), kv_lengths=jnp.asarray(kv_len, jnp.int32),
-        sliding_window=window, block_size=64, implementation="xla",
-    ))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-    want = numpy_attention(q, k, v, q_pos, kv_len, window)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert_xla_loop_matches_reference(q, k, v, q_pos, kv_len, window, block_size=64)

@@ -92,21 +92,27 @@ struct Piece {
   int64_t row, head, lo, hi;
 };
 
+// The slots [lo, hi) that query t of row b sees: filled, not in its future, inside the
+// window (the rule of jaxkv.attention.attend). Empty when lo >= hi.
+inline void visible_slots(const Problem& pb, int64_t b, int64_t t, int64_t* lo, int64_t* hi) {
+  const int64_t pos = pb.q_pos[b * pb.tokens + t];
+  const int64_t filled = std::clamp<int64_t>(pb.kv_len[b], 0, pb.slots);
+  *lo = pb.window > 0 ? std::max<int64_t>(pos - pb.window + 1, 0) : 0;
+  *hi = std::min<int64_t>(filled, pos + 1);
+}
+
 // Per query (g, t) of a piece: its visible slots [lo, hi) clipped to the piece, and its
 // state in `part`: running max m, running sum l, weighted values acc[D] ([Q, D + 2]).
-inline int64_t visible_ranges(const Problem& pb, const Piece& pc, float* part, int64_t* lo, int64_t* hi) {
-  const int64_t nq = pb.groups * pb.tokens;
-  const int64_t filled = std::clamp<int64_t>(pb.kv_len[pc.row], 0, pb.slots);
-  for (int64_t qi = 0; qi < nq; ++qi) {
-    const int64_t pos = pb.q_pos[pc.row * pb.tokens + qi % pb.tokens];
-    lo[qi] = std::max<int64_t>(pb.window > 0 ? std::max<int64_t>(pos - pb.window + 1, 0) : 0, pc.lo);
-    hi[qi] = std::max(lo[qi], std::min<int64_t>(std::min<int64_t>(filled, pos + 1), pc.hi));
+inline void visible_ranges(const Problem& pb, const Piece& pc, float* part, int64_t* lo, int64_t* hi) {
+  for (int64_t qi = 0; qi < pb.groups * pb.tokens; ++qi) {
+    visible_slots(pb, pc.row, qi % pb.tokens, &lo[qi], &hi[qi]);
+    lo[qi] = std::max(lo[qi], pc.lo);
+    hi[qi] = std::max(lo[qi], std::min(hi[qi], pc.hi));
     float* state = part + qi * (pb.head_dim + 2);
     state[0] = kNegInf;
     state[1] = 0.0f;
     std::fill(state + 2, state + 2 + pb.head_dim, 0.0f);
   }
-  return nq;
 }
 
 // Folds one chunk's scores of one query (slots [a, z) of the chunk are visible; the rest
@@ -434,11 +440,9 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   int64_t total = 0;
   for (int64_t b = 0; b < pb.batch; ++b) {
     int64_t lo = pb.slots, hi = 0;
-    const int64_t filled = std::clamp<int64_t>(pb.kv_len[b], 0, pb.slots);
     for (int64_t t = 0; t < pb.tokens; ++t) {
-      const int64_t pos = pb.q_pos[b * pb.tokens + t];
-      const int64_t a = window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
-      const int64_t z = std::min<int64_t>(filled, pos + 1);
+      int64_t a, z;
+      visible_slots(pb, b, t, &a, &z);
       if (a < z) {
         lo = std::min(lo, a);
         hi = std::max(hi, z);
