@@ -191,7 +191,7 @@ def _release_free_heap() -> None:
     """Returns the heap pages freed by loading (each tensor's host copy) to the OS.
 
     glibc keeps freed memory for reuse, so after a load the process holds a few MiB more
-    than its weights until something else reuses them (measured: 25 -> 21 MiB of RSS growth
+    than its weights until something else reuses them (measured: 24-25 -> 21 MiB of RSS growth
     for 19.5 MiB of float32 weights, ``benchmarks/bench_generate.py --memory-only``).
     ``malloc_trim`` hands them back; elsewhere (no glibc) this does nothing.
     """
