@@ -220,8 +220,8 @@ inline Vec load16(const uint16_t* p) {  // bf16 is the high half of an f32
 }
 
 // Asks for a key or value row kPrefetchBytes ahead of the one being read, into L2. One
-// core's hardware prefetcher alone leaves the read at ~55% of the machine's bandwidth here;
-// with this, 75-90% (measured on the 2-core x86 machine, 8 layers x 32K tokens).
+// core's hardware prefetcher alone cannot keep enough reads in flight while the core also
+// computes; benchmarks/bench_attention.py shows the bandwidth reached with this.
 template <int kD, typename KV>
 inline void prefetch_row(const KV* row) {
   const char* p = reinterpret_cast<const char*>(row);
