@@ -4,20 +4,29 @@
                    [--top-k K] [--top-p P] [--seed S]
 
 With no ``--model`` it uses the embedded model shipped inside the package (a tiny
-Llama trained by ``scripts/train_embedded.py`` on the Python standard library). Errors are
-one line on stderr and exit status 2; no traceback.
+Llama trained by ``scripts/train_embedded.py`` on the Python standard library). Errors
+(bad flags, a malformed checkpoint, a prompt that is not UTF-8, a cache larger than free
+memory) are one line on stderr and exit status 2; no traceback. A reader that closes the
+pipe early (``| head``) ends the run quietly with status 1, as Python does on EPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from importlib import resources
+from typing import Any, TextIO
 
 EMBEDDED_MODEL = "pycoder"
+
+# Cache positions are int32.
+_MAX_CAPACITY = 2**31 - 1
+# Share of free memory the cache may take; the rest is for activations and the runtime.
+_MEMORY_FRACTION = 0.9
 
 
 def embedded_model_path() -> str:
@@ -44,38 +53,114 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return f"{n} B"
 
 
-def _max_context(path: str) -> int | None:
+def _config_value(path: str, name: str, key: str) -> tuple[str, Any]:
+    """``(file, value of key)`` from a JSON file of the checkpoint; None if absent or unreadable."""
+    file = os.path.join(path, name)
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("max_position_embeddings")
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
     except (OSError, ValueError):
-        return None
+        return file, None
+    return file, data.get(key) if isinstance(data, dict) else None
 
 
-def run_generate(args: argparse.Namespace, out=sys.stdout) -> None:
+def _sampling_config(args: argparse.Namespace):
+    from jaxkv.sampling import SamplingConfig
+
+    # argparse's float() accepts "inf" and "nan"; neither is a usable setting.
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise CliError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:  # also rejects nan
+        raise CliError(f"--top-p must be in (0, 1] (1 for no limit), got {args.top_p}")
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be >= 0 (0 for no limit), got {args.top_k}")
+    return SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k or None, top_p=None if args.top_p == 1.0 else args.top_p
+    )
+
+
+def _free_memory(device) -> tuple[int | None, str]:
+    """Bytes free for new arrays on ``device`` and where that figure comes from."""
+    stats = device.memory_stats()  # accelerators: the allocator's figures; CPU: None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform.upper()} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+
+
+def _check_memory(loaded, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuses a run whose cache cannot fit, before XLA tries to allocate it.
+
+    XLA's out-of-memory error is a long traceback that arrives after compiling; the cache's
+    size is known exactly from its abstract shape, so it is checked up front.
+    """
+    import jax
+    from flax import nnx
+
+    from jaxkv.generation import bucket_length
+
+    capacity = bucket_length(prompt_tokens) + max_new_tokens
+    if capacity > _MAX_CAPACITY:
+        raise CliError(
+            f"--max-new-tokens {max_new_tokens} asks for a cache of {capacity} tokens; positions are int32, "
+            f"so prompt plus new tokens can be at most {_MAX_CAPACITY}: lower --max-new-tokens"
+        )
+    shapes = jax.eval_shape(lambda: loaded.model.init_cache(1, capacity))
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(loaded.model)))
+    free, where = _free_memory(jax.devices()[0])
+    if free is None or cache_bytes <= _MEMORY_FRACTION * free:
+        return
+    per_token = cache_bytes / capacity
+    fits = max(int(_MEMORY_FRACTION * free / per_token) - (capacity - max_new_tokens), 0)
+    raise CliError(
+        f"--max-new-tokens {max_new_tokens} needs a {_human_bytes(cache_bytes)} cache ({capacity} tokens) "
+        f"besides the {_human_bytes(weight_bytes)} of weights, but only {_human_bytes(free)} of {where} is free; "
+        f"lower --max-new-tokens to at most about {fits}"
+    )
+
+
+def _check_prompt(prompt: str) -> None:
+    # Bytes that are not UTF-8 reach sys.argv as lone surrogates (surrogateescape); the
+    # tokenizer and the terminal would both fail on them later.
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = os.fsencode(prompt)
+        raise CliError(
+            f"the prompt is not valid UTF-8 (byte {raw[err.start]:#04x} at position {err.start}); "
+            "pass UTF-8 text"
+        ) from None
+
+
+def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     # Imports are deferred so that `jaxkv --help` and argument errors are instant.
     import jax
     import jax.numpy as jnp
 
     from jaxkv.generation import stream
     from jaxkv.models import CheckpointError, from_pretrained
-    from jaxkv.sampling import SamplingConfig
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    try:
-        sampling = SamplingConfig(
-            temperature=args.temperature, top_k=args.top_k or None, top_p=None if args.top_p >= 1.0 else args.top_p
-        )
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    sampling = _sampling_config(args)
+    _check_prompt(args.prompt)
     path = args.model or embedded_model_path()
     try:
         loaded = from_pretrained(path)
@@ -86,13 +171,14 @@ def run_generate(args: argparse.Namespace, out=sys.stdout) -> None:
     ids = loaded.tokenizer.encode(args.prompt).ids
     if not ids:
         raise CliError("the prompt encodes to zero tokens; give some text")
-    context = _max_context(path)
+    _, context = _config_value(path, "config.json", "max_position_embeddings")
     if context is not None and len(ids) + args.max_new_tokens > context:
         raise CliError(
             f"prompt ({len(ids)} tokens) plus --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
             f"context of {context} tokens; shorten the prompt or lower --max-new-tokens"
         )
-    eos = _eos_id(loaded)
+    _check_memory(loaded, len(ids), args.max_new_tokens)
+    eos = _eos_id(path)
 
     out.write(args.prompt)
     out.flush()
@@ -138,17 +224,16 @@ def run_generate(args: argparse.Namespace, out=sys.stdout) -> None:
     out.flush()
 
 
-def _eos_id(loaded) -> int | None:
+def _eos_id(path: str) -> int | None:
     for name in ("generation_config.json", "config.json"):
-        try:
-            with open(os.path.join(loaded.path, name)) as f:
-                eos = json.load(f).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
+        file, eos = _config_value(path, name, "eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
+        if eos is None:
+            continue
+        if isinstance(eos, bool) or not isinstance(eos, int):
+            raise CliError(f"{file}: key 'eos_token_id' must be a token id (an integer), got {eos!r}")
+        return eos
     return None
 
 
@@ -156,8 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
-            run_generate(args)
+            run_generate(args, sys.stdout)
         return 0
+    except BrokenPipeError:
+        # The reader went away (`jaxkv generate ... | head`): stop quietly, as Python's docs
+        # advise (signal module, "Note on SIGPIPE"): point stdout at devnull so that the flush
+        # at interpreter exit cannot raise again, and exit 1 as Python does on EPIPE.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+            pass
+        return 1
     except CliError as err:
         print(f"jaxkv: error: {err}", file=sys.stderr)
         return 2

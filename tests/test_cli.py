@@ -1,15 +1,15 @@
 """The `jaxkv` command line, run as a subprocess like a user would."""
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from jaxkv.cli import embedded_model_path
+from jaxkv.cli import embedded_model_path, main
 
 
 def run(*args, timeout=300):
@@ -37,15 +37,76 @@ def test_generate_streams_text_and_prints_summary():
     [
         (["--model", "/no/such/dir"], "not a directory"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        (["--top-p", "0"], "top_p must be in"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     ],
 )
-def test_bad_input_is_one_clean_line(args, match):
-    result = run("generate", "x = 1", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxkv: error:") and match in lines[0], result.stderr
+def test_bad_input_is_one_clean_line(args, match, capsys):
+    assert main(["generate", "x = 1", *args]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxkv: error:") and match in lines[0], captured.err
+    assert captured.out == ""
+
+
+@pytest.fixture
+def no_context_model(tmp_path):
+    """The embedded model without max_position_embeddings: only memory bounds its context."""
+    model = tmp_path / "no_context"
+    shutil.copytree(embedded_model_path(), model)
+    config = json.loads((model / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize(
+    "max_new_tokens, match",
+    [
+        # 10**9 tokens of this model's cache (2 KiB each) is 1.9 TiB, more than any machine
+        # running this has.
+        (
+            10**9,
+            r"--max-new-tokens 1000000000 needs a 1\.9 TiB cache \(1000000016 tokens\) besides the 9\.0 MiB "
+            r"of weights, but only .* is free; lower --max-new-tokens to at most about \d+",
+        ),
+        (2**31, r"--max-new-tokens 2147483648 asks for a cache of 2147483664 tokens; positions are int32, .*"),
+    ],
+)
+def test_cache_too_large_is_refused_up_front(no_context_model, max_new_tokens, match, capsys):
+    assert main(["generate", "x", "--model", str(no_context_model), "--max-new-tokens", str(max_new_tokens)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch("jaxkv: error: " + match, lines[0]), lines
+
+
+def test_invalid_utf8_prompt_is_one_clean_line():
+    # Bytes in argv that are not UTF-8, as a shell passes them.
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxkv", "generate", b"def f(\xff\xfe"], capture_output=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 2 and result.stdout == b""
+    assert result.stderr.decode() == (
+        "jaxkv: error: the prompt is not valid UTF-8 (byte 0xff at position 6); pass UTF-8 text\n"
+    )
+
+
+def test_closed_stdout_pipe_exits_quietly():
+    # Like `jaxkv generate "def f(" | head -c 6`: the reader leaves after the echoed prompt,
+    # while the model is still compiling, so the next write meets a closed pipe.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv", "generate", "def f(", "--max-new-tokens", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert process.stdout.read(6) == b"def f("
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 1  # what Python's docs advise on EPIPE
+    assert stderr == b"", stderr.decode()
 
 
 def test_prompt_longer_than_context_and_unsupported_model(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.llama import ARCHITECTURES, Llama, LlamaConfig
 
 __all__ = ["CheckpointError", "Pretrained", "from_pretrained", "hf_weight_names"]
 
@@ -94,6 +95,116 @@ def _read_json(path: str, what: str) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt JSON ({e})") from e
+
+
+# config.json keys the loader reads, by the JSON type each must have. Required keys that are
+# absent are reported by ``LlamaConfig.from_hf``; these are checked wherever they are present.
+_INT_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "max_window_layers",
+)
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_ROPE_KEYS = ("rope_parameters", "rope_scaling")
+_ROPE_NUMBER_KEYS = ("rope_theta", "factor", "high_freq_factor", "low_freq_factor",
+                     "original_max_position_embeddings", "partial_rotary_factor")
+
+
+def _json_type(value: Any) -> str:
+    """How a parsed JSON value reads in an error message: its type, and scalars' values."""
+    if isinstance(value, bool):
+        return f"the boolean {json.dumps(value)}"
+    if isinstance(value, str):
+        return f"the string {json.dumps(value)}"
+    if isinstance(value, int | float):
+        return f"the number {json.dumps(value)}"
+    return {dict: "an object", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_hf_config(hf: Any, source: str) -> None:
+    """Checks the types and the head arithmetic of a parsed ``config.json``.
+
+    ``LlamaConfig.from_hf`` trusts the JSON types (``bool("false")`` is True, ``"64" // 4``
+    raises a bare TypeError); this turns each such problem into a :class:`CheckpointError`
+    naming ``source`` and the key.
+
+    Raises:
+        CheckpointError: the file is not a JSON object, ``architectures`` is missing or not a
+            list of names, a key has the wrong JSON type or a non-positive size, or the head
+            counts do not divide.
+    """
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{source}: expected a JSON object of config keys, got {_json_type(hf)}")
+
+    def bad(key: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{source}: key {key!r} must be {expected}, got {_json_type(hf[key])}")
+
+    archs = hf.get("architectures")
+    if not archs:
+        model_type = hf.get("model_type")
+        hint = f" (model_type is {model_type!r})" if model_type is not None else ""
+        raise CheckpointError(
+            f"{source}: key 'architectures' is missing or empty{hint}; add e.g. "
+            f'"architectures": ["LlamaForCausalLM"] (jaxkv.models supports {", ".join(ARCHITECTURES)})'
+        )
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise bad("architectures", "a list of architecture names")
+    for key in _INT_KEYS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        # max_window_layers 0 is meaningful (Qwen2: every layer slides); sizes must be >= 1.
+        minimum = 0 if key == "max_window_layers" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise bad(key, "a positive integer" if minimum else "an integer >= 0")
+    for key in _NUMBER_KEYS:
+        value = hf.get(key)
+        if value is not None and not (_is_number(value) and 0 < value < math.inf):
+            raise bad(key, "a positive finite number")
+    for key in _BOOL_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise bad(key, "true or false")
+    if hf.get("hidden_act") is not None and not isinstance(hf["hidden_act"], str):
+        raise bad("hidden_act", "a string")
+    for key in _ROPE_KEYS:
+        rope = hf.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise bad(key, "an object")
+        for name in _ROPE_NUMBER_KEYS:
+            value = rope.get(name)
+            if value is not None and not (_is_number(value) and math.isfinite(value)):
+                raise CheckpointError(f"{source}: key '{key}.{name}' must be a finite number, got {_json_type(value)}")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
+        raise bad("layer_types", "a list of strings")
+    layers = hf.get("num_hidden_layers")
+    if layer_types and layers is not None and len(layer_types) != layers:
+        raise CheckpointError(
+            f"{source}: key 'layer_types' has {len(layer_types)} entries, expected one per layer "
+            f"('num_hidden_layers' is {layers})"
+        )
+
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads")
+    hidden = hf.get("hidden_size")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: key 'num_attention_heads' ({heads}) must be a multiple of "
+            f"'num_key_value_heads' ({kv_heads})"
+        )
+    if heads is not None and hidden is not None and hf.get("head_dim") is None and hidden % heads:
+        raise CheckpointError(
+            f"{source}: key 'hidden_size' ({hidden}) is not divisible by 'num_attention_heads' ({heads}) "
+            "and there is no 'head_dim' to say the size of a head"
+        )
 
 
 def _weight_files(directory: str) -> dict[str, str]:
@@ -216,8 +327,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pre
 
     Raises:
         CheckpointError (a ValueError): a missing directory or file, corrupt JSON or
-            safetensors, an unsupported architecture, a missing, unexpected or mis-shaped
-            tensor. The message names the file and, where there is one, the tensor key.
+            safetensors, a malformed ``config.json`` (not an object, no ``architectures``,
+            a key of the wrong type, head counts that do not divide), an unsupported
+            architecture, a missing, unexpected or mis-shaped tensor. The message names the
+            file and the config key or tensor key.
         TypeError: ``dtype`` is not float32 / bfloat16 / float16.
 
     Example:
@@ -233,12 +346,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pre
         raise CheckpointError(f"{directory}: not a directory; from_pretrained reads a local HF checkpoint directory")
     config_path = os.path.join(directory, CONFIG_FILE)
     hf_config = _read_json(config_path, "a model config")
+    _check_hf_config(hf_config, config_path)
     try:
         config = LlamaConfig.from_hf(hf_config, source=config_path)
-    except (TypeError, KeyError) as e:
-        raise CheckpointError(f"{config_path}: malformed config ({e})") from e
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
+    except (TypeError, KeyError, ValueError) as e:
+        message = str(e)
+        raise CheckpointError(message if message.startswith(config_path) else f"{config_path}: {message}") from e
 
     # An abstract model (shapes only, nothing allocated or initialised) gives the parameter
     # tree; the checkpoint's tensors then fill it.
