@@ -13,9 +13,18 @@ which is how :class:`jaxkv.StaticCache` lays tokens out) and is *filled* iff
 * with a sliding window ``W``, it is recent: ``p - kv_positions[b, s] < W``
   (the query sees itself and the ``W - 1`` tokens before it, as HF transformers).
 
-Slots that are not visible contribute exactly nothing, even when they hold NaN or
-garbage: the mask is applied to the logits *and* the probabilities, and unfilled value
-slots are zeroed before the probability-weighted sum (``0 * NaN`` is NaN).
+Non-finite keys and values: one contract for :func:`attend`, the blockwise XLA loop and
+the native CPU kernel of :mod:`jaxkv.blockwise`:
+
+* a slot a query cannot see (unfilled, in its future, outside its window) never affects
+  that query, whatever it holds (NaN, inf, garbage);
+* if any slot the query sees has a non-finite raw logit (``q . k * scale``, before the
+  soft cap: a NaN or infinite key gives one) or a non-finite value element, the query's
+  whole output row is NaN;
+* otherwise the usual softmax over the visible slots; a query that sees nothing gets zeros.
+
+(``implementation="jax"`` tells non-finite logits from non-finite queries and keys, so
+a product of finite ones that overflows is not caught there.)
 
 The computation is written as max / sum-of-exponentials / weighted-sum over slots so
 that a blockwise version (reading only the filled blocks, cost scaling with tokens
@@ -29,15 +38,15 @@ stored instead of capacity) can replace the body without changing this interface
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.blockwise import blockwise_attend
-from jaxkv.cache import DynamicCache, StaticCache
+from jaxkv.caches.views import ContiguousView, LayerView, QuantizedView
 
-__all__ = ["attend", "attention_mask", "cache_attention", "token_positions"]
+__all__ = ["attend", "attend_view", "attention_mask", "cache_attention", "token_positions", "update_and_attend"]
 
 Implementation = Literal["jaxkv", "jax"]
 
@@ -141,7 +150,8 @@ def attend(
             [B, S, H, D] layout).
 
     Returns:
-        [B, Hq, T, D] attention output.
+        [B, Hq, T, D] attention output; rows NaN where a visible slot holds a non-finite
+        key or value (the module docstring states the exact rule).
 
     Raises:
         ValueError: on mismatched shapes, ``Hq`` not a multiple of ``H``, a bad window,
@@ -188,31 +198,39 @@ def attend(
     )  # [B, T, S]
     if scale is None:
         scale = head_dim**-0.5
-    # Unfilled slots may hold NaN; a zero probability times NaN is still NaN, so the values
-    # themselves are cleaned. Filled-but-masked slots (future, out of window) hold real data.
-    filled = jnp.arange(num_slots)[None, :] < kv_lengths.astype(jnp.int32)[:, None]  # [B, S]
-    values = jnp.where(filled[:, None, :, None], values, jnp.zeros((), values.dtype))
+    # Any slot may hold NaN or inf, seen or not; a zero probability times NaN is still NaN,
+    # so non-finite values are zeroed and the rows whose visible slots held one are marked.
+    finite_values = jnp.isfinite(values)
+    bad_values = ~jnp.all(finite_values, axis=-1)  # [B, H, S]
+    values = jnp.where(finite_values, values, jnp.zeros((), values.dtype))
+    groups = num_q_heads // num_kv_heads
 
     if implementation == "jax":
+        bad_slots = bad_values | ~jnp.all(jnp.isfinite(keys), axis=-1)  # [B, H, S]
+        bad_queries = ~jnp.all(jnp.isfinite(queries), axis=-1)  # [B, Hq, T]
+        sees_any = jnp.any(mask, axis=-1)  # [B, T]
+        marked = jnp.any(mask[:, None] & bad_slots[:, :, None, :], axis=-1)  # [B, H, T]
+        marked = jnp.repeat(marked, groups, axis=1) | (bad_queries & sees_any[:, None])  # [B, Hq, T]
         out = jax.nn.dot_product_attention(
             queries.transpose(0, 2, 1, 3),
-            keys.transpose(0, 2, 1, 3),
+            jnp.where(jnp.isfinite(keys), keys, jnp.zeros((), keys.dtype)).transpose(0, 2, 1, 3),
             values.transpose(0, 2, 1, 3),
             mask=mask[:, None, :, :],
             scale=scale,
-        )
+        ).transpose(0, 2, 1, 3)
         # jax spreads a query that sees nothing uniformly over all slots; jaxkv returns zeros.
-        sees_any = jnp.any(mask, axis=-1)[:, :, None, None]  # [B, T, 1, 1]
-        out = jnp.where(sees_any, out, jnp.zeros((), out.dtype))
-        return out.transpose(0, 2, 1, 3)
+        out = jnp.where(sees_any[:, None, :, None], out, jnp.zeros((), out.dtype))
+        return jnp.where(marked[..., None], jnp.nan, out)
 
-    groups = num_q_heads // num_kv_heads
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
     logits = jnp.einsum("bhgtd,bhsd->bhgts", q, keys, preferred_element_type=jnp.float32) * scale
+    mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
+    bad = ~jnp.isfinite(logits) | bad_values[:, :, None, None, :]  # [B, H, G, T, S]
+    marked = jnp.any(mask & bad, axis=-1)  # [B, H, G, T]
     if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-    mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
-    # Masking with where (not by adding -inf) keeps NaN logits of unfilled slots out.
+    # Masking with where (not by adding -inf) keeps NaN logits of unseen slots out.
+    mask = mask & ~bad
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a query that sees nothing
@@ -222,42 +240,82 @@ def attend(
     out = jnp.einsum(
         "bhgts,bhsd->bhgtd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
     )
+    out = jnp.where(marked[..., None], jnp.nan, out)
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
 
 
-def token_positions(
-    cache: StaticCache | DynamicCache | None, batch_size: int, num_tokens: int
-) -> jax.Array:  # [B, T] int32
+def token_positions(cache: Any, batch_size: int, num_tokens: int) -> jax.Array:  # [B, T] int32
     """Absolute positions of the next ``num_tokens`` tokens of every row.
 
     Read them once, before the first layer writes: every layer of one forward pass writes
     at the same positions.
 
     Args:
-        cache: a StaticCache (per-row lengths), a DynamicCache (one shared length), or None
-            (no cache: positions start at 0).
+        cache: any jaxkv cache (it knows its rows' lengths), or None (positions start at 0).
         batch_size: B.
         num_tokens: T.
 
     Returns:
         int32 [B, T] positions.
+    """
+    if cache is None:
+        return jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
+    return cache.positions(num_tokens, 0, batch_size=batch_size)
+
+
+def attend_view(
+    queries: jax.Array,  # [B, Hq, T, D]
+    view: Any,
+    *,
+    q_positions: jax.Array,  # [B, T] int
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+) -> jax.Array:  # [B, Hq, T, D]
+    """Attention of new queries over one layer, read the way its view says it is laid out.
+
+    The one dispatch point, on the view's type (never on the cache class):
+
+    * :class:`~jaxkv.caches.ContiguousView` (StaticCache, a HybridCache's full layers, an
+      EncoderDecoderCache's static self part): :func:`jaxkv.blockwise.blockwise_attend`
+      over the stacked buffers: only filled blocks are read (the CPU kernel on CPU).
+    * :class:`~jaxkv.caches.QuantizedView`: the same blockwise loop, dequantizing each
+      block as it is read (never the whole layer), with the exact residual tokens patched in.
+    * :class:`~jaxkv.caches.LayerView` (rings, DynamicCache, encoder states): dense
+      :func:`attend` with per-slot positions. A ring's own window wins; a model asking for
+      another window is an error.
 
     Raises:
-        TypeError: a cache of another type.
+        ValueError: the view's window differs from ``sliding_window``; errors of the paths.
+        TypeError: not a view.
     """
-    if isinstance(cache, StaticCache) or hasattr(cache, "update_view"):
-        return cache.positions(num_tokens, 0)
-    if cache is not None and not isinstance(cache, DynamicCache):
-        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
-    start = 0 if cache is None else cache.get_seq_length(0)
-    return jnp.broadcast_to(start + jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
+    if isinstance(view, ContiguousView):
+        return blockwise_attend(
+            queries, view.keys, view.values, layer_idx=view.layer, q_positions=q_positions,
+            kv_lengths=view.lengths, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
+        )
+    if isinstance(view, QuantizedView):
+        view = view.dense()  # PENDING: blockwise dequantization (this session)
+    if isinstance(view, LayerView):
+        if view.sliding_window is not None:
+            if sliding_window is not None and sliding_window != view.sliding_window:
+                raise ValueError(
+                    f"the cache layer has window {view.sliding_window} but the model asks for "
+                    f"sliding_window={sliding_window}; build the cache with the model's window"
+                )
+            sliding_window = view.sliding_window
+        return attend(
+            queries, view.keys, view.values, q_positions=q_positions, kv_lengths=view.kv_lengths,
+            kv_positions=view.kv_positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
+        )
+    raise TypeError(f"attend_view: expected a jaxkv layer view, got {type(view).__name__}")
 
 
 def cache_attention(
     queries: jax.Array,  # [B, Hq, T, D]
     keys: jax.Array,  # [B, H, T, D]
     values: jax.Array,  # [B, H, T, D]
-    cache: StaticCache | DynamicCache | None,
+    cache: Any,
     layer_idx: int | jax.Array,
     *,
     positions: jax.Array,  # [B, T] int
@@ -265,17 +323,18 @@ def cache_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
-) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
-    """Writes one layer's new keys/values into the cache, then attends over that layer.
+) -> tuple[jax.Array, Any]:
+    """Writes one layer's new keys/values into any jaxkv cache, then attends over that layer.
 
-    The one place that knows how each cache type reports what it holds; framework
-    modules (``jaxkv.nnx``, ``jaxkv.linen``) call it.
+    Every cache kind goes the same way: ``cache.write`` returns the layer's view, and
+    :func:`attend_view` reads it by its layout. Framework modules (``jaxkv.nnx``,
+    ``jaxkv.linen``) and the models call this.
 
     Args:
         queries: [B, Hq, T, D] position-encoded queries of the new tokens.
         keys: [B, H, T, D] position-encoded keys of the new tokens.
         values: [B, H, T, D] values of the new tokens.
-        cache: StaticCache, DynamicCache, or None (the T tokens are the whole context).
+        cache: any jaxkv cache, or None (the T tokens are the whole context).
         layer_idx: the cache layer to write and read.
         positions: [B, T] absolute positions of the new tokens (:func:`token_positions`).
         num_new: [B] real tokens per row; the rest is padding, never stored or attended
@@ -286,62 +345,37 @@ def cache_attention(
         ``(out [B, Hq, T, D], new_cache)``; ``new_cache`` is None when ``cache`` is None.
 
     Raises:
-        ValueError: ``num_new`` with a DynamicCache, or any error of :func:`attend`.
-        TypeError: a cache of another type.
+        ValueError: ``num_new`` with a DynamicCache, a window mismatch, or any error of
+            the cache's write or of attention.
     """
-    batch = queries.shape[0]
-    kv_positions = None
     if cache is None:
         # Slot t holds the token at positions[:, t].
-        kv_positions = positions
-        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
-    elif isinstance(cache, StaticCache):
-        cache, _, _ = cache.update(keys, values, layer_idx, num_new=num_new)
-        # Blockwise over the stacked buffers: reads only the blocks rows have filled (cost
-        # scales with tokens stored, not capacity) and never slices a layer out first.
-        out = blockwise_attend(
-            queries,
-            cache.keys,
-            cache.values,
-            layer_idx=layer_idx,
-            q_positions=positions,
-            kv_lengths=cache.seq_lengths(layer_idx),
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            scale=scale,
-        )
-        return out, cache
-    elif isinstance(cache, DynamicCache):
-        if num_new is not None:
-            raise ValueError(
-                "num_new needs per-row lengths, which DynamicCache does not track (all its rows share "
-                "one length); use StaticCache for ragged batches"
-            )
-        cache, keys, values = cache.update(keys, values, layer_idx)
-        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32)
-    elif hasattr(cache, "update_view"):
-        # The other cache kinds (sliding ring, quantized, hybrid, encoder-decoder self part)
-        # report per-slot positions and their own window with the written layer.
-        cache, view = cache.update_view(keys, values, layer_idx, num_new=num_new)
-        if view.sliding_window is not None:
-            if sliding_window is not None and sliding_window != view.sliding_window:
-                raise ValueError(
-                    f"layer {layer_idx} of the {type(cache).__name__} has window {view.sliding_window} but "
-                    f"the model asks for sliding_window={sliding_window}; build the cache with the model's window"
-                )
-            sliding_window = view.sliding_window
-        keys, values, kv_lengths, kv_positions = view.keys, view.values, view.kv_lengths, view.kv_positions
+        batch = queries.shape[0]
+        lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
+        view = LayerView(keys, values, positions, lengths, None)
     else:
-        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
-    out = attend(
-        queries,
-        keys,
-        values,
-        q_positions=positions,
-        kv_lengths=kv_lengths,
-        kv_positions=kv_positions,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        scale=scale,
+        cache, view = cache.write(keys, values, layer_idx, num_new=num_new)
+    out = attend_view(
+        queries, view, q_positions=positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale
     )
     return out, cache
+
+
+def update_and_attend(
+    queries: jax.Array,
+    key_states: jax.Array,
+    value_states: jax.Array,
+    cache: Any,
+    layer_idx: Any,
+    *,
+    positions: jax.Array,
+    num_new: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, Any]:
+    """:func:`cache_attention` under its earlier name (kept for existing callers)."""
+    return cache_attention(
+        queries, key_states, value_states, cache, layer_idx, positions=positions, num_new=num_new,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
+    )

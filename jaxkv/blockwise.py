@@ -19,15 +19,26 @@ Two implementations compute this same function:
 * On CPU, for decode-sized calls (up to 16 queries per row, f32/bf16), a native kernel
   (:mod:`jaxkv._kernels`, an XLA FFI custom call built on first use) that reads the visible
   slots where they lie in the stacked buffer, once, on all cores: 76-92% of the read
-  bandwidth. ``implementation="auto"`` (the default) picks it when it applies.
+  bandwidth. ``implementation="auto"`` (the default) picks it when it applies. It is built
+  (with the machine's C++ compiler) and registered only when JAX's default device is a
+  CPU: tracing for a GPU or TPU never runs the compiler.
 
 ``benchmarks/bench_attention.py`` measures both side by side.
 
 Shapes: B batch, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim.
 Slot ``s`` holds absolute position ``s`` (the ``StaticCache`` layout). Visibility is the
 rule of :func:`jaxkv.attention.attend`: filled (``s < kv_lengths[b]``), not in the future
-(``s <= p``), and inside the window (``p - s < W``). Unfilled slots may hold NaN: they are
-zeroed before use.
+(``s <= p``), and inside the window (``p - s < W``).
+
+Non-finite keys and values follow the contract of :mod:`jaxkv.attention`, on both
+implementations alike:
+
+* a slot a query cannot see (unfilled, in its future, outside its window) never affects
+  that query, whatever it holds (NaN, inf);
+* if a slot the query sees has a non-finite raw logit (``q . k * scale``, before the soft
+  cap: a NaN or infinite key gives one) or a non-finite value element, the query's whole
+  output row is NaN;
+* otherwise the usual softmax; a query that sees nothing gets zeros.
 """
 
 from __future__ import annotations
@@ -81,7 +92,8 @@ def blockwise_attend(
         ``benchmarks/bench_generate.py --memory-only``).
       implementation: ``"auto"`` (default): on CPU, up to 16 queries, f32/bf16, the native
         kernel of :mod:`jaxkv._kernels` (reads blocks in place, on all cores) when it could
-        be built, else the XLA loop; on other platforms the XLA loop. ``"xla"``: always the
+        be built, else the XLA loop; on other platforms the XLA loop (the kernel is built
+        and registered only when the default device is a CPU). ``"xla"``: always the
         XLA loop. ``"kernel"``: the native kernel on CPU, an error if it is unavailable or
         the inputs are outside what it takes. Both compute the same function; derivatives
         always come from the XLA loop. Under ``jax.vmap`` the kernel runs once per mapped
@@ -136,6 +148,9 @@ def blockwise_attend(
     if implementation == "xla":
         return xla(*args)
     why_not = _kernel_unsuitable(queries, keys)
+    platform = _default_platform()
+    if why_not is None and platform != "cpu":  # checked first: available() runs the compiler
+        why_not = f"the default device is a {platform} device and the native kernel runs on CPU only"
     if why_not is None and not _kernels.available():
         why_not = "the native kernel could not be built or loaded (see the warning above, or JAXKV_CPU_KERNEL=0 is set)"
     if why_not:
@@ -156,6 +171,15 @@ def blockwise_attend(
         return jax.jvp(xla, primals, tangents)
 
     return attend_(*args)
+
+
+def _default_platform() -> str:
+    """The platform a computation traced now runs on: the default device's, if one is set
+    (``jax.default_device``), else the default backend's."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return getattr(device, "platform", device)
 
 
 # The kernel's limits: a decode step or a short verify chunk; longer chunks (prefill) are
@@ -305,9 +329,10 @@ def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, lo
         # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
         # of the product, which XLA:CPU runs several times faster than the transposed form.
         logits = jnp.einsum("bhsd,bhgtd->bhsgt", k_blk, q, preferred_element_type=jnp.float32) * scale
-        if logit_softcap is not None:
-            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
         return first, offset, logits, v_blk
+
+    def softcap(logits):
+        return logits if logit_softcap is None else logit_softcap * jnp.tanh(logits / logit_softcap)
 
     def accumulate(carry, logits, v_blk, weights_fn):
         running_max, running_sum, acc = carry
@@ -327,14 +352,23 @@ def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, lo
         visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
         if sliding_window is not None:
             visible = visible & (q_pos[:, None, :] - slots[None, :, None] < sliding_window)
-        visible = visible[:, None, :, None, :]
-        logits = jnp.where(visible, logits, -jnp.inf)
-        # Unfilled slots may hold anything, NaN included: zero them so 0 * NaN never enters.
-        v_blk = jnp.where(filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
-        return accumulate(carry, logits, v_blk, lambda w: jnp.where(visible, w, 0.0))
+        visible = visible[:, None, :, None, :]  # [B, 1, blk, 1, T]
+        # Slots a query does not see may hold anything (NaN, inf): only the visible ones may
+        # mark it. Non-finite values are zeroed, so 0 * NaN never enters another query's sum.
+        finite_values = jnp.isfinite(v_blk)
+        bad_slot = ~jnp.all(finite_values, axis=-1)[:, :, :, None, None] | ~jnp.isfinite(logits)  # [B, H, blk, G, T]
+        marked = jnp.any(visible & bad_slot, axis=2)  # [B, H, G, T]
+        logits = jnp.where(visible & ~bad_slot, softcap(logits), -jnp.inf)
+        v_blk = jnp.where(finite_values & filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
+        running_max, running_sum, acc = accumulate(carry, logits, v_blk, lambda w: jnp.where(visible, w, 0.0))
+        return running_max, running_sum, jnp.where(marked[..., None], jnp.nan, acc)
 
     def full_body(j, carry):  # every slot of the block is filled and visible to every query
         _, _, logits, v_blk = read(j, block, clamp=False)
+        # Every query sees every slot, so plain IEEE arithmetic marks the right rows: a
+        # non-finite logit becomes NaN (a -inf one would otherwise just weigh 0) and NaN
+        # stays in acc; an inf value leaves inf or NaN there. The end turns both into NaN rows.
+        logits = softcap(jnp.where(jnp.isfinite(logits), logits, jnp.nan))
         return accumulate(carry, logits, v_blk, lambda w: w)
 
     stats_shape = (batch, num_kv_heads, groups, num_tokens)
@@ -365,4 +399,5 @@ def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, lo
             carry = jax.lax.fori_loop(first, first + trips, partial(masked_body, size=size), carry)
     _, total, acc = carry
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    out = jnp.where(jnp.all(jnp.isfinite(out), axis=-1, keepdims=True), out, jnp.nan)
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)

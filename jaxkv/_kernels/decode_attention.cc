@@ -9,8 +9,13 @@
 // Shapes: q [B, Hq, T, D] (f32/bf16), keys/values [L, B, H, S, D] (f32/bf16, same dtype),
 // layer [] s32, q_pos [B, T] s32, kv_len [B] s32; out [B, Hq, T, D] in the dtype of q.
 // Slot s holds position s. A query at position p sees slot s when s < kv_len[b], s <= p and,
-// with a window W > 0, p - s < W. A query that sees nothing returns zeros. Only visible
-// slots are read, so unfilled slots may hold anything (NaN included).
+// with a window W > 0, p - s < W. A query that sees nothing returns zeros.
+//
+// Non-finite inputs (the contract of jaxkv.attention): a slot a query does not see never
+// affects it, whatever it holds. If a slot it sees has a non-finite raw logit (q.k scaled,
+// before the soft cap) or a non-finite value element, its whole output row is NaN. A
+// group of queries may read slots some of them do not see (a chunk's future, a window's
+// start): those get weight 0 and are skipped, never multiplied in (0 * NaN is NaN).
 //
 // Work items are (row, kv head, slot range) pieces of about the same size; each keeps its
 // own running max, sum and weighted values per query, merged at the end (split-K).
@@ -38,6 +43,19 @@ constexpr int64_t kMinPiece = 256;       // smallest slot range worth a task of 
 constexpr int64_t kSerialSlots = 2048;   // below this many (row, head, slot) reads: one thread
 constexpr int64_t kPrefetchBytes = 16384;  // how far ahead rows are requested
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Whether x[0, n) are all finite, from the exponent bits: integer work the compiler
+// vectorises and cannot fold away under -fassociative-math.
+inline bool all_finite(const float* x, int64_t n) {
+  uint32_t worst = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, x + j, sizeof bits);
+    worst = std::max(worst, bits & 0x7F800000u);
+  }
+  return worst != 0x7F800000u;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
@@ -103,6 +121,7 @@ inline void visible_slots(const Problem& pb, int64_t b, int64_t t, int64_t* lo, 
 
 // Per query (g, t) of a piece: its visible slots [lo, hi) clipped to the piece, and its
 // state in `part`: running max m, running sum l, weighted values acc[D] ([Q, D + 2]).
+// l is NaN once the query has seen a non-finite logit: its row will be NaN.
 inline void visible_ranges(const Problem& pb, const Piece& pc, float* part, int64_t* lo, int64_t* hi) {
   for (int64_t qi = 0; qi < pb.groups * pb.tokens; ++qi) {
     visible_slots(pb, pc.row, qi % pb.tokens, &lo[qi], &hi[qi]);
@@ -117,9 +136,12 @@ inline void visible_ranges(const Problem& pb, const Piece& pc, float* part, int6
 
 // Folds one chunk's scores of one query (slots [a, z) of the chunk are visible; the rest
 // were not computed) into its state: scores become softmax weights, zero outside [a, z).
-// Returns the factor the query's acc must be multiplied by before this chunk's values.
+// A non-finite score marks the query (l = NaN) and zeroes the rest of its weights, so the
+// max and sum stay finite. Returns the factor the query's acc must be multiplied by
+// before this chunk's values.
 inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float softcap, float* state) {
-  if (a >= z) {
+  if (a < z && !std::isnan(state[1]) && !all_finite(scores + a, z - a)) state[1] = kNaN;
+  if (a >= z || std::isnan(state[1])) {
     std::fill(scores, scores + n, 0.0f);
     return 1.0f;
   }
@@ -136,12 +158,8 @@ inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float s
   float chunk_max = kNegInf;
   for (int u = 0; u < 8; ++u) chunk_max = best[u] > chunk_max ? best[u] : chunk_max;
   const float m = state[0];
-  const float new_m = std::max(m, chunk_max);
-  if (std::isfinite(new_m)) {
-    for (int64_t j = a; j < z; ++j) scores[j] = exp_nonpositive(scores[j] - new_m);
-  } else {  // +inf or NaN logits: let the arithmetic show it, as XLA would
-    for (int64_t j = a; j < z; ++j) scores[j] = std::exp(scores[j] - new_m);
-  }
+  const float new_m = std::max(m, chunk_max);  // finite, as every score is
+  for (int64_t j = a; j < z; ++j) scores[j] = exp_nonpositive(scores[j] - new_m);
   std::fill(scores, scores + a, 0.0f);
   std::fill(scores + z, scores + n, 0.0f);
   float sum = 0.0f;
@@ -260,7 +278,9 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
   for (int64_t g0 = 0; g0 < nq; g0 += kQB) {
     const int nb = int(std::min<int64_t>(kQB, nq - g0));
     int64_t first = pc.hi, last = pc.lo;  // the union of the group's visible ranges
+    bool same_range = true;  // every query sees all of it (always so for one token per row)
     for (int b = 0; b < nb; ++b) {
+      same_range = same_range && lo[g0 + b] == lo[g0] && hi[g0 + b] == hi[g0];
       if (lo[g0 + b] < hi[g0 + b]) {
         first = std::min(first, lo[g0 + b]);
         last = std::max(last, hi[g0 + b]);
@@ -271,8 +291,8 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
       for (int c = 0; c < kNV; ++c) qv[b][c] = b < nb ? load16(queries + (g0 + b) * kD + c * 16) : Vec{};
     }
     for (int b = nb; b < kQB; ++b) std::fill(scores[b], scores[b] + kChunk, 0.0f);
-    // Slots in [first, last) are below the row's fill, so they hold written data; a query's
-    // slots outside its own range get weight exactly 0.
+    // A query's slots outside its own range get weight exactly 0 and are skipped when values
+    // are summed (they may hold NaN or inf); a slot it sees always has a weight above 0.
     for (int64_t c0 = first; c0 < last; c0 += kChunk) {
       const int64_t n = std::min(kChunk, last - c0);
       const KV* k = keys + c0 * kD;
@@ -304,6 +324,7 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         for (int c = 0; c < kNV; ++c) vr[c] = load16(v + j * kD + c * 16);
         for (int b = 0; b < kQB; ++b) {
           const float w = scores[b][j];
+          if (!same_range && w == 0.0f) continue;
           for (int c = 0; c < kNV; ++c) acc[b][c] += w * vr[c];
         }
       }
@@ -489,8 +510,16 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
     const int64_t b = pieces[first].row, h = pieces[first].head;
     for (int64_t qi = 0; qi < nq; ++qi) {
       float m = kNegInf;
-      for (int64_t i = first; i < last; ++i) m = std::max(m, parts[i * stride + qi * (D + 2)]);
+      bool marked = false;  // a non-finite logit in some piece
+      for (int64_t i = first; i < last; ++i) {
+        m = std::max(m, parts[i * stride + qi * (D + 2)]);
+        marked = marked || std::isnan(parts[i * stride + qi * (D + 2) + 1]);
+      }
       float* dst = result.data() + ((b * pb.kv_heads + h) * nq + qi) * D;  // q layout [B, H, G, T, D]
+      if (marked) {
+        std::fill(dst, dst + D, kNaN);
+        continue;
+      }
       if (m == kNegInf) continue;  // sees nothing: zeros
       float l = 0.0f;
       for (int64_t i = first; i < last; ++i) {
@@ -502,6 +531,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
       }
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       for (int64_t d = 0; d < D; ++d) dst[d] = l > 0.0f ? dst[d] * inv : 0.0f;
+      // A non-finite value element of a visible slot left an inf or NaN here: the whole row.
+      if (!all_finite(dst, D)) std::fill(dst, dst + D, kNaN);
     }
     first = last;
   }
