@@ -38,15 +38,15 @@ stored instead of capacity) can replace the body without changing this interface
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.blockwise import blockwise_attend
-from jaxkv.caches.views import ContiguousView, LayerView, QuantizedView
+from jaxkv.cache import DynamicCache, StaticCache
 
-__all__ = ["attend", "attend_view", "attention_mask", "cache_attention", "token_positions", "update_and_attend"]
+__all__ = ["attend", "attention_mask", "cache_attention", "token_positions"]
 
 Implementation = Literal["jaxkv", "jax"]
 
@@ -244,78 +244,39 @@ def attend(
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
 
 
-def token_positions(cache: Any, batch_size: int, num_tokens: int) -> jax.Array:  # [B, T] int32
+def token_positions(
+    cache: StaticCache | DynamicCache | None, batch_size: int, num_tokens: int
+) -> jax.Array:  # [B, T] int32
     """Absolute positions of the next ``num_tokens`` tokens of every row.
 
     Read them once, before the first layer writes: every layer of one forward pass writes
     at the same positions.
 
     Args:
-        cache: any jaxkv cache (it knows its rows' lengths), or None (positions start at 0).
+        cache: a StaticCache (per-row lengths), a DynamicCache (one shared length), or None
+            (no cache: positions start at 0).
         batch_size: B.
         num_tokens: T.
 
     Returns:
         int32 [B, T] positions.
-    """
-    if cache is None:
-        return jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
-    return cache.positions(num_tokens, 0, batch_size=batch_size)
-
-
-def attend_view(
-    queries: jax.Array,  # [B, Hq, T, D]
-    view: Any,
-    *,
-    q_positions: jax.Array,  # [B, T] int
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
-) -> jax.Array:  # [B, Hq, T, D]
-    """Attention of new queries over one layer, read the way its view says it is laid out.
-
-    The one dispatch point, on the view's type (never on the cache class):
-
-    * :class:`~jaxkv.caches.ContiguousView` (StaticCache, a HybridCache's full layers, an
-      EncoderDecoderCache's static self part): :func:`jaxkv.blockwise.blockwise_attend`
-      over the stacked buffers: only filled blocks are read (the CPU kernel on CPU).
-    * :class:`~jaxkv.caches.QuantizedView`: the same blockwise loop, dequantizing each
-      block as it is read (never the whole layer), with the exact residual tokens patched in.
-    * :class:`~jaxkv.caches.LayerView` (rings, DynamicCache, encoder states): dense
-      :func:`attend` with per-slot positions. A ring's own window wins; a model asking for
-      another window is an error.
 
     Raises:
-        ValueError: the view's window differs from ``sliding_window``; errors of the paths.
-        TypeError: not a view.
+        TypeError: a cache of another type.
     """
-    if isinstance(view, ContiguousView):
-        return blockwise_attend(
-            queries, view.keys, view.values, layer_idx=view.layer, q_positions=q_positions,
-            kv_lengths=view.lengths, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
-        )
-    if isinstance(view, QuantizedView):
-        view = view.dense()  # PENDING: blockwise dequantization (this session)
-    if isinstance(view, LayerView):
-        if view.sliding_window is not None:
-            if sliding_window is not None and sliding_window != view.sliding_window:
-                raise ValueError(
-                    f"the cache layer has window {view.sliding_window} but the model asks for "
-                    f"sliding_window={sliding_window}; build the cache with the model's window"
-                )
-            sliding_window = view.sliding_window
-        return attend(
-            queries, view.keys, view.values, q_positions=q_positions, kv_lengths=view.kv_lengths,
-            kv_positions=view.kv_positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
-        )
-    raise TypeError(f"attend_view: expected a jaxkv layer view, got {type(view).__name__}")
+    if isinstance(cache, StaticCache) or hasattr(cache, "update_view"):
+        return cache.positions(num_tokens, 0)
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
+    start = 0 if cache is None else cache.get_seq_length(0)
+    return jnp.broadcast_to(start + jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
 
 
 def cache_attention(
     queries: jax.Array,  # [B, Hq, T, D]
     keys: jax.Array,  # [B, H, T, D]
     values: jax.Array,  # [B, H, T, D]
-    cache: Any,
+    cache: StaticCache | DynamicCache | None,
     layer_idx: int | jax.Array,
     *,
     positions: jax.Array,  # [B, T] int
@@ -323,18 +284,17 @@ def cache_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
-) -> tuple[jax.Array, Any]:
-    """Writes one layer's new keys/values into any jaxkv cache, then attends over that layer.
+) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
+    """Writes one layer's new keys/values into the cache, then attends over that layer.
 
-    Every cache kind goes the same way: ``cache.write`` returns the layer's view, and
-    :func:`attend_view` reads it by its layout. Framework modules (``jaxkv.nnx``,
-    ``jaxkv.linen``) and the models call this.
+    The one place that knows how each cache type reports what it holds; framework
+    modules (``jaxkv.nnx``, ``jaxkv.linen``) call it.
 
     Args:
         queries: [B, Hq, T, D] position-encoded queries of the new tokens.
         keys: [B, H, T, D] position-encoded keys of the new tokens.
         values: [B, H, T, D] values of the new tokens.
-        cache: any jaxkv cache, or None (the T tokens are the whole context).
+        cache: StaticCache, DynamicCache, or None (the T tokens are the whole context).
         layer_idx: the cache layer to write and read.
         positions: [B, T] absolute positions of the new tokens (:func:`token_positions`).
         num_new: [B] real tokens per row; the rest is padding, never stored or attended
@@ -345,37 +305,62 @@ def cache_attention(
         ``(out [B, Hq, T, D], new_cache)``; ``new_cache`` is None when ``cache`` is None.
 
     Raises:
-        ValueError: ``num_new`` with a DynamicCache, a window mismatch, or any error of
-            the cache's write or of attention.
+        ValueError: ``num_new`` with a DynamicCache, or any error of :func:`attend`.
+        TypeError: a cache of another type.
     """
+    batch = queries.shape[0]
+    kv_positions = None
     if cache is None:
         # Slot t holds the token at positions[:, t].
-        batch = queries.shape[0]
-        lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
-        view = LayerView(keys, values, positions, lengths, None)
+        kv_positions = positions
+        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
+    elif isinstance(cache, StaticCache):
+        cache, _, _ = cache.update(keys, values, layer_idx, num_new=num_new)
+        # Blockwise over the stacked buffers: reads only the blocks rows have filled (cost
+        # scales with tokens stored, not capacity) and never slices a layer out first.
+        out = blockwise_attend(
+            queries,
+            cache.keys,
+            cache.values,
+            layer_idx=layer_idx,
+            q_positions=positions,
+            kv_lengths=cache.seq_lengths(layer_idx),
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            scale=scale,
+        )
+        return out, cache
+    elif isinstance(cache, DynamicCache):
+        if num_new is not None:
+            raise ValueError(
+                "num_new needs per-row lengths, which DynamicCache does not track (all its rows share "
+                "one length); use StaticCache for ragged batches"
+            )
+        cache, keys, values = cache.update(keys, values, layer_idx)
+        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32)
+    elif hasattr(cache, "update_view"):
+        # The other cache kinds (sliding ring, quantized, hybrid, encoder-decoder self part)
+        # report per-slot positions and their own window with the written layer.
+        cache, view = cache.update_view(keys, values, layer_idx, num_new=num_new)
+        if view.sliding_window is not None:
+            if sliding_window is not None and sliding_window != view.sliding_window:
+                raise ValueError(
+                    f"layer {layer_idx} of the {type(cache).__name__} has window {view.sliding_window} but "
+                    f"the model asks for sliding_window={sliding_window}; build the cache with the model's window"
+                )
+            sliding_window = view.sliding_window
+        keys, values, kv_lengths, kv_positions = view.keys, view.values, view.kv_lengths, view.kv_positions
     else:
-        cache, view = cache.write(keys, values, layer_idx, num_new=num_new)
-    out = attend_view(
-        queries, view, q_positions=positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale
+        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
+    out = attend(
+        queries,
+        keys,
+        values,
+        q_positions=positions,
+        kv_lengths=kv_lengths,
+        kv_positions=kv_positions,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
     )
     return out, cache
-
-
-def update_and_attend(
-    queries: jax.Array,
-    key_states: jax.Array,
-    value_states: jax.Array,
-    cache: Any,
-    layer_idx: Any,
-    *,
-    positions: jax.Array,
-    num_new: jax.Array | None = None,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
-) -> tuple[jax.Array, Any]:
-    """:func:`cache_attention` under its earlier name (kept for existing callers)."""
-    return cache_attention(
-        queries, key_states, value_states, cache, layer_idx, positions=positions, num_new=num_new,
-        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
-    )
