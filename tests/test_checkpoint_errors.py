@@ -53,7 +53,11 @@ def _set(**changes):
         (_set(rope_parameters=[10000.0]), "rope_parameters", "must be an object, got a list"),
         (_set(rope_parameters={"rope_theta": "1e4"}), "rope_parameters.rope_theta", "must be a finite number"),
         (_set(layer_types=["full_attention"] * 3), "layer_types", "has 3 entries, expected one per layer"),
-        (_set(num_key_value_heads=4), "num_attention_heads", "\\(6\\) must be a multiple of 'num_key_value_heads' \\(4\\)"),
+        (
+            _set(num_key_value_heads=4),
+            "num_attention_heads",
+            "\\(6\\) must be a multiple of 'num_key_value_heads' \\(4\\)",
+        ),
         (
             lambda config: _drop("head_dim")(config) | {"hidden_size": 190},
             "hidden_size",

@@ -1,0 +1,74 @@
+"""Every ```python block of README.md runs, in order, as one script.
+
+The blocks share one namespace from the top of the file down, the way a reader follows
+them (a later section uses the ``loaded`` model of "Generation"). A block whose first line
+is the marker comment below needs several devices: it runs alone in a subprocess with
+8 virtual CPU devices, as ``tests/test_sharding.py`` does.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SUBPROCESS_MARKER = "# Needs 8 devices"
+_FENCE = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+
+
+def _blocks() -> list[tuple[int, str]]:
+    """``(first code line, source)`` of each python block, in README order."""
+    text = README.read_text()
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _FENCE.finditer(text)]
+
+
+BLOCKS = _blocks()
+_state = {"namespace": {"__name__": "readme"}, "done": 0}
+
+
+def _run_through(blocks: list[tuple[int, str]], index: int, state: dict) -> None:
+    """Runs the in-process blocks up to ``index`` that have not run yet, so that any one
+    block's test can be selected alone and still sees what the blocks before it defined."""
+    while state["done"] <= index:
+        line, source = blocks[state["done"]]
+        state["done"] += 1
+        if not source.startswith(SUBPROCESS_MARKER):
+            # Blank lines up front make tracebacks point at README.md's own line numbers.
+            exec(compile("\n" * (line - 1) + source, str(README), "exec"), state["namespace"])
+
+
+def _run_in_subprocess(line: int, source: str) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    script = "\n" * (line - 1) + source
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if result.returncode != 0:
+        pytest.fail(f"README.md block at line {line} failed in its subprocess:\n{result.stderr}")
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 8
+    assert sum(source.startswith(SUBPROCESS_MARKER) for _, source in BLOCKS) == 1
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
+def test_readme_block_runs(index):
+    line, source = BLOCKS[index]
+    if source.startswith(SUBPROCESS_MARKER):
+        _run_in_subprocess(line, source)
+    else:
+        _run_through(BLOCKS, index, _state)
+
+
+def test_a_raising_block_fails_its_test():
+    blocks = [(1, "x = 1\n"), (3, "y = x + 1\n1 / 0\n"), (6, "z = 3\n")]
+    state = {"namespace": {}, "done": 0}
+    with pytest.raises(ZeroDivisionError) as info:
+        _run_through(blocks, 2, state)
+    assert info.traceback[-1].lineno + 1 == 4  # README line of the raising statement
+    assert state["namespace"]["y"] == 2 and "z" not in state["namespace"]
+    with pytest.raises(pytest.fail.Exception, match="block at line 2 failed"):
+        _run_in_subprocess(2, SUBPROCESS_MARKER + "\nraise SystemExit(3)\n")
