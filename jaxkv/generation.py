@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.cache import StaticCache
 from jaxkv.sampling import SamplingConfig, greedy, sample
 
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 GREEDY = SamplingConfig()
+#: The token :func:`select_token` returns for a row whose logits hold a NaN.
+NAN_TOKEN = -1
 # Prompts longer than this are prefilled in chunks (bounded activations, see generate).
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -76,14 +79,20 @@ def select_token(
     step: jax.Array | int = 0,
     sampling: SamplingConfig = GREEDY,
 ) -> jax.Array:  # [B] int32
-    """Greedy, or one sample per row with key ``fold_in(row_keys[b], step)``."""
+    """Greedy, or one sample per row with key ``fold_in(row_keys[b], step)``.
+
+    A row whose logits hold a NaN (the model's answer to a traced out-of-range id) gets
+    :data:`NAN_TOKEN` (-1), never a valid-looking id.
+    """
     if sampling.is_greedy:
-        return greedy(logits)
+        picked = greedy(logits)
+    else:
 
-    def one(row_logits, key):
-        return sample(row_logits[None], jax.random.fold_in(key, step), sampling)[0]
+        def one(row_logits, key):
+            return sample(row_logits[None], jax.random.fold_in(key, step), sampling)[0]
 
-    return jax.vmap(one)(logits, row_keys)
+        picked = jax.vmap(one)(logits, row_keys)
+    return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), NAN_TOKEN, picked)
 
 
 def prefill(
@@ -190,15 +199,22 @@ def _generate(
     return tokens, lengths
 
 
-def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Array, jax.Array]:
+def check_prompts(
+    input_ids: Any, prompt_lengths: Any, who: str, *, vocab_size: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Validates ``[B, P]`` prompts and ``[B]`` lengths; returns both as int32 arrays.
 
+    With ``vocab_size`` V, concrete ids must lie in ``[0, V)`` (padding included); traced
+    ids cannot be checked (see :func:`jaxkv.models.Llama.__call__` for what they do).
+
     Raises:
-        ValueError: ``input_ids`` not 2-D or empty, lengths of the wrong shape or outside
-            ``[1, P]``.
+        ValueError: ``input_ids`` not 2-D or empty, an id outside ``[0, V)``, lengths of
+            the wrong shape or outside ``[1, P]``.
         TypeError: non-integer ids or lengths.
     """
-    input_ids = jnp.asarray(input_ids)
+    if not isinstance(input_ids, jax.Array):
+        # Checked on the host first: converting to int32 would wrap ids >= 2**31.
+        input_ids = np.asarray(input_ids)
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             f"{who}: input_ids must have shape [batch, prompt_len] with prompt_len >= 1, got "
@@ -206,6 +222,8 @@ def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Ar
         )
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise TypeError(f"{who}: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    check_token_ids(input_ids, vocab_size, who)
+    input_ids = jnp.asarray(input_ids)
     batch, prompt_len = input_ids.shape
     if prompt_lengths is None:
         prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
@@ -230,8 +248,9 @@ def check_prompts(input_ids: Any, prompt_lengths: Any, who: str) -> tuple[jax.Ar
 
 
 def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
-             chunk_size):
-    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, "generate")
+             chunk_size, who):
+    check_model(model, who)
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
         raise ValueError(f"prefill_chunk_size must be None or a Python int >= 1, got {chunk_size!r}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -256,8 +275,8 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
         stop = [int(eos_token_id)]
     else:
         stop = [int(t) for t in eos_token_id]
-    # A stop list never matching a real id (-1) keeps the array non-empty for the compare.
-    stop_ids = jnp.asarray(stop or [-1], jnp.int32)
+    # A stop list matching no id (not even NAN_TOKEN) keeps the array non-empty for the compare.
+    stop_ids = jnp.asarray(stop or [np.iinfo(np.int32).min], jnp.int32)
     padded_len = bucket_length(prompt_len) if bucket else prompt_len
     if chunk_size is not None and padded_len > chunk_size:
         padded_len = -(-padded_len // chunk_size) * chunk_size  # whole chunks; the padding is never stored
@@ -315,9 +334,17 @@ def generate(
       :class:`GenerateOutput` with ``tokens`` int32 [B, N] and ``lengths`` int32 [B].
 
     Raises:
-      ValueError: ``input_ids`` not 2-D or empty, ``max_new_tokens < 1``, ``prompt_lengths``
-        of the wrong shape or outside ``[1, P]``, sampling without a key, wrong key count.
-      TypeError: non-integer ids or lengths, a bad sampling config or key.
+      ValueError: ``input_ids`` not 2-D or empty, a token id outside ``[0, V)`` (the
+        message names the id, its position and V; padding is checked too),
+        ``max_new_tokens < 1``, ``prompt_lengths`` of the wrong shape or outside ``[1, P]``,
+        sampling without a key, wrong key count.
+      TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
+        ``loaded.model``), non-integer ids or lengths, a bad sampling config or key.
+
+    Under an outer ``jax.jit`` the ids are traced and cannot be checked: an out-of-range
+    id gives NaN logits for its row (see :meth:`jaxkv.models.Llama.__call__`), and that
+    row's tokens are then ``NAN_TOKEN`` (-1), never a valid-looking id. Other rows are
+    unaffected.
 
     Example:
       >>> out = jaxkv.generate(model, jnp.array([[1, 2, 3], [4, 5, 0]]), 8,  # doctest: +SKIP
@@ -328,7 +355,7 @@ def generate(
     """
     ids, lengths, row_keys, stop_ids, chunk = _prepare(
         model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
-        prefill_chunk_size,
+        prefill_chunk_size, "generate",
     )
     graphdef, state = nnx.split(model)
     tokens, out_lengths = _generate(
@@ -372,11 +399,17 @@ def _stream_programs(graphdef: nnx.GraphDef, treedef: Any):
 
 
 class TokenStream:
-    """Iterator over generated tokens, one decode step at a time (see :func:`stream`).
+    """Iterable over generated tokens, one decode step at a time (see :func:`stream`).
 
     Each item is a NumPy int32 [B] array: the token each row produced at that step
     (``pad_token_id`` for rows that already stopped). ``cache`` is the current
     StaticCache; ``done`` the rows that have stopped.
+
+    Every ``iter()`` starts over from the prompt with a fresh, empty cache, so iterating
+    again yields the same tokens (greedy, or sampling with the same key: row keys are
+    folded with the step number). ``cache`` and ``done`` follow the iteration that last
+    produced a token; the caches of earlier iterations were donated to their decode steps
+    and are gone.
     """
 
     def __init__(self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype, chunk):
@@ -386,27 +419,38 @@ class TokenStream:
         self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk)
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
-        self.cache: StaticCache = model.init_cache(batch, ids.shape[1] + max_new_tokens, dtype=dtype)
+        self._empty_cache = partial(model.init_cache, batch, ids.shape[1] + max_new_tokens, dtype=dtype)
+        self.cache: StaticCache = self._empty_cache()
+        self._cache_unused = True  # the first iteration takes this one instead of allocating
         self.done = np.zeros((batch,), bool)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk = self._args
         stop = set(np.asarray(stop_ids).tolist())
-        tokens, self.cache = self._prefill(
-            self._leaves, ids, lengths, self.cache, row_keys, sampling=sampling, chunk_size=chunk
-        )
+        if self._cache_unused:
+            self._cache_unused = False
+            cache = self.cache
+        else:
+            # Dropping the previous iteration's cache first keeps one cache alive, not two.
+            self.cache = None
+            cache = self._empty_cache()
+        done = np.zeros_like(self.done)
+        tokens, cache = self._prefill(self._leaves, ids, lengths, cache, row_keys, sampling=sampling, chunk_size=chunk)
+        self.cache, self.done = cache, done
         for step in range(max_new_tokens):
             if step:
-                active = jnp.asarray(~self.done)
-                tokens, self.cache = self._step(
-                    self._leaves, tokens, self.cache, row_keys, jnp.int32(step), active, sampling=sampling
+                active = jnp.asarray(~done)
+                tokens, cache = self._step(
+                    self._leaves, tokens, cache, row_keys, jnp.int32(step), active, sampling=sampling
                 )
+                self.cache = cache
             host = np.asarray(tokens).copy()
-            host[self.done] = pad_id
+            host[done] = pad_id
             tokens = jnp.asarray(host)
-            self.done = self.done | np.isin(host, list(stop))
+            done = done | np.isin(host, list(stop))
+            self.done = done
             yield host
-            if self.done.all():
+            if done.all():
                 return
 
 
@@ -427,8 +471,9 @@ def stream(
     """Like :func:`generate`, but yields each step's tokens as soon as they exist.
 
     A jitted prefill, then a jitted decode step whose cache argument is donated, so each
-    step updates the cache in place. Arguments as in :func:`generate`; with the same key
-    the tokens equal ``generate``'s.
+    step updates the cache in place. Arguments and errors as in :func:`generate`; with the
+    same key the tokens equal ``generate``'s. Iterating the returned :class:`TokenStream`
+    again starts over from the prompt with a fresh cache and yields the same tokens.
 
     Example:
       >>> for tokens in jaxkv.stream(model, ids, 32, eos_token_id=0):  # doctest: +SKIP
@@ -436,7 +481,7 @@ def stream(
     """
     ids, lengths, row_keys, stop_ids, chunk = _prepare(
         model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
-        prefill_chunk_size,
+        prefill_chunk_size, "stream",
     )
     return TokenStream(model, ids, lengths, row_keys, stop_ids, int(pad_token_id), int(max_new_tokens), sampling,
                        cache_dtype, chunk)

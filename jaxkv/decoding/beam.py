@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import (
     check_positive_int,
     check_token_id,
@@ -225,7 +226,10 @@ def beam_search(
         ``scores`` [B, R], best first.
 
     Raises:
-        ValueError: bad sizes, token ids, ``early_stopping`` value, or prompts.
+        ValueError: bad sizes, token ids (in the prompts: outside ``[0, V)``),
+            ``early_stopping`` value, or prompts.
+        TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
+            ``loaded.model``).
 
     Example:
         >>> out = beam_search(model, jnp.array([[5, 6, 7]]), 16, num_beams=4,  # doctest: +SKIP
@@ -233,7 +237,8 @@ def beam_search(
         >>> best = out.sequences[0, 0, : out.lengths[0, 0]]                      # doctest: +SKIP
     """
     who = "beam_search"
-    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    check_model(model, who)
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     n = check_positive_int(max_new_tokens, "max_new_tokens", who)
     k = check_positive_int(num_beams, "num_beams", who)
     r = check_positive_int(num_return_sequences, "num_return_sequences", who)

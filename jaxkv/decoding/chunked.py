@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.cache import StaticCache
 from jaxkv.decoding._common import check_positive_int, forward, logits_at
 from jaxkv.generation import check_prompts
@@ -85,7 +86,10 @@ def chunked_prefill(
         length); float32.
 
     Raises:
-        ValueError: bad prompts or chunk size; eagerly, a prompt that overflows the cache.
+        ValueError: bad prompts (a token id outside ``[0, V)`` included) or chunk size;
+            eagerly, a prompt that overflows the cache.
+        TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
+            ``loaded.model``), or ``cache`` not a StaticCache.
 
     Example:
         >>> cache = model.init_cache(batch_size=1, max_length=4096)           # doctest: +SKIP
@@ -93,7 +97,8 @@ def chunked_prefill(
         >>> first_token = last.argmax(-1)                                     # doctest: +SKIP
     """
     who = "chunked_prefill"
-    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    check_model(model, who)
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     chunk = check_positive_int(chunk_size, "chunk_size", who)
     if not isinstance(cache, StaticCache):
         raise TypeError(f"{who}: cache must be a StaticCache (model.init_cache(...)), got {type(cache).__name__}")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
 from jaxkv.generation import check_prompts
 from jaxkv.sampling import SamplingConfig, sample
@@ -104,7 +105,9 @@ def sample_n(
         int32 [B, n, N]: ``out[b, j]`` is sample ``j`` of prompt ``b``.
 
     Raises:
-        ValueError: bad sizes, keys, token ids or prompts.
+        ValueError: bad sizes, keys, token ids (in the prompts: outside ``[0, V)``) or prompts.
+        TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
+            ``loaded.model``).
 
     Example:
         >>> out = sample_n(model, jnp.array([[5, 6, 7]]), 32, num_return_sequences=8,  # doctest: +SKIP
@@ -113,7 +116,8 @@ def sample_n(
         (1, 8, 32)
     """
     who = "sample_n"
-    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    check_model(model, who)
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     n_tokens = check_positive_int(max_new_tokens, "max_new_tokens", who)
     n = check_positive_int(num_return_sequences, "num_return_sequences", who)
     batch = input_ids.shape[0]

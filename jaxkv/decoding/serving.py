@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.cache import StaticCache
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
@@ -143,6 +144,11 @@ class ServingLoop:
             (admit a new batch only when all slots are free: the baseline).
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
 
+    Raises:
+        TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
+            ``loaded.model``).
+        ValueError: bad sizes, policy or ``eos_token_id``.
+
     Example:
         >>> loop = ServingLoop(model, num_slots=4, max_length=256, chunk_size=32, eos_token_id=0)  # doctest: +SKIP
         >>> done = loop.run([Request([5, 6, 7], 64), Request([8, 9], 16, arrival=3)])           # doctest: +SKIP
@@ -162,10 +168,12 @@ class ServingLoop:
         cache_dtype: Any = None,
     ):
         who = "ServingLoop"
+        check_model(model, who)
         self.num_slots = check_positive_int(num_slots, "num_slots", who)
         self.max_length = check_positive_int(max_length, "max_length", who)
         self.chunk_size = check_positive_int(chunk_size, "chunk_size", who)
-        self.eos_token_id = check_token_id(eos_token_id, "eos_token_id", model.config.vocab_size, who)
+        self._vocab_size = model_vocab_size(model)
+        self.eos_token_id = check_token_id(eos_token_id, "eos_token_id", self._vocab_size, who)
         if policy not in ("continuous", "static"):
             raise ValueError(f"{who}: policy must be 'continuous' or 'static', got {policy!r}")
         self.policy = policy
@@ -186,9 +194,10 @@ class ServingLoop:
         """How many times each program was traced (compiled): ``{"prefill": n, "decode": m}``."""
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
-    def _check(self, request: Request, who: str) -> None:
+    def _check(self, request: Request, index: int, who: str) -> None:
         if len(request.prompt) < 1:
             raise ValueError(f"{who}: request {request.id!r} has an empty prompt; it needs at least one token")
+        check_token_ids(request.prompt, self._vocab_size, who, name=f"requests[{index}].prompt")
         check_positive_int(request.max_new_tokens, "max_new_tokens", who)
         need = len(request.prompt) + request.max_new_tokens - 1
         if need > self.max_length:
@@ -206,12 +215,12 @@ class ServingLoop:
         and the wall time.
 
         Raises:
-            ValueError: an empty prompt, ``max_new_tokens < 1``, or a request that does not
-                fit ``max_length``.
+            ValueError: an empty prompt, a prompt token id outside ``[0, V)``,
+                ``max_new_tokens < 1``, or a request that does not fit ``max_length``.
         """
         who = "ServingLoop.run"
-        for request in requests:
-            self._check(request, who)
+        for index, request in enumerate(requests):
+            self._check(request, index, who)
         ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
         pending = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
         waiting: collections.deque[int] = collections.deque()

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
 from jaxkv.generation import check_prompts
 from jaxkv.sampling import SamplingConfig, greedy
@@ -238,14 +239,19 @@ def speculative_generate(
         :class:`SpeculativeOutput`: ``tokens`` [B, N] and acceptance statistics.
 
     Raises:
-        ValueError: bad sizes or prompts, vocabularies that differ, no key when sampling.
+        ValueError: bad sizes or prompts (a token id outside ``[0, V)`` included),
+            vocabularies that differ, no key when sampling.
+        TypeError: ``target`` or ``draft`` not an ``nnx.Module`` (a ``from_pretrained``
+            bundle: pass ``loaded.model``).
 
     Example:
         >>> out = speculative_generate(target, draft, ids, 64, num_draft_tokens=4)  # doctest: +SKIP
         >>> out.tokens.shape, out.acceptance_rate                                   # doctest: +SKIP
     """
     who = "speculative_generate"
-    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who)
+    check_model(target, who, name="target")
+    check_model(draft, who, name="draft")
+    input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(target))
     n = check_positive_int(max_new_tokens, "max_new_tokens", who)
     k = check_positive_int(num_draft_tokens, "num_draft_tokens", who)
     if target.config.vocab_size != draft.config.vocab_size:

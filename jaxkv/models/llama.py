@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._checks import check_token_ids
 from jaxkv.cache import DynamicCache, StaticCache
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
@@ -429,6 +430,13 @@ class Llama(nnx.Module):
         Prefill (T = prompt length) and decode (T = 1) are the same call. Row ``b``'s new
         tokens take positions ``cache.seq_lengths(0)[b] + t``.
 
+        Token ids must lie in ``[0, V)``. Concrete ids are checked (``ValueError``). Under
+        ``jax.jit`` they are traced and nothing can raise; instead a row with an
+        out-of-range id (negative ones included) among its real (non-padding) tokens gets
+        NaN logits at every position of this call, and the bad id embeds as NaN, so the
+        key/value it leaves in the cache is NaN too. Other rows are unaffected, and no bad
+        id is ever read as a valid token (no wrap-around, no clamp).
+
         Args:
             tokens: [B, T] token ids.
             cache: StaticCache, DynamicCache, or None for a full forward over ``tokens`` alone.
@@ -443,10 +451,12 @@ class Llama(nnx.Module):
             padding tokens are meaningless.
 
         Raises:
-            ValueError: tokens not [B, T]; a cache shaped for another model.
+            ValueError: tokens not [B, T]; a cache shaped for another model; a concrete
+                (not traced) token id outside ``[0, V)``, padding included.
         """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, new_tokens], got {list(tokens.shape)}; add a batch axis")
+        check_token_ids(tokens, self.config.vocab_size, "Llama.__call__", name="tokens")
         if isinstance(cache, StaticCache):
             got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
             want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
@@ -464,7 +474,13 @@ class Llama(nnx.Module):
         def rope(x):
             return apply_rope(x, positions, inv_freq)
 
+        # Traced ids are unchecked. jnp.take (inside nnx.Embed) would wrap negative ids to
+        # V - 1 ..; every bad id embeds as NaN instead, and its row's logits are NaN below.
+        in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # [B, T]
         x = self.embed_tokens(tokens)
+        x = jnp.where(in_vocab[..., None], x, jnp.asarray(jnp.nan, x.dtype))
+        is_real = True if num_new is None else jnp.arange(num_tokens)[None, :] < jnp.asarray(num_new)[:, None]
+        bad_row = jnp.any(~in_vocab & is_real, axis=1)  # [B]; padding is never stored, so it may hold anything
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, cache = layer(x, cache, positions=positions, num_new=num_new, rope=rope)
@@ -475,4 +491,5 @@ class Llama(nnx.Module):
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
+        logits = jnp.where(bad_row[:, None, None], jnp.asarray(jnp.nan, logits.dtype), logits)
         return logits, cache
