@@ -35,6 +35,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_attention.py
 	$(PY) benchmarks/bench_cache_kinds.py
+	$(PY) benchmarks/bench_capacity.py
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_speculative.py

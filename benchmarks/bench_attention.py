@@ -33,7 +33,7 @@ import numpy as np
 from common import machine, op_times, print_table, time_calls, write_json
 from jaxkv import StaticCache, _kernels
 from jaxkv.attention import attend
-from jaxkv.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 

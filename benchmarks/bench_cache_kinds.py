@@ -35,9 +35,10 @@ import numpy as np
 
 from common import machine, print_table, time_calls, write_json
 from jaxkv import StaticCache
-from jaxkv.hybrid import FULL, SLIDING, HybridCache, update_and_attend
-from jaxkv.quantized import QuantizedCache
-from jaxkv.sliding import SlidingWindowCache
+from jaxkv.attention import update_and_attend
+from jaxkv.caches import FULL, SLIDING, HybridCache
+from jaxkv.caches import QuantizedCache
+from jaxkv.caches import SlidingWindowCache
 
 
 def kinds(*, layers: int, batch: int, heads: int, head_dim: int, capacity: int, window: int, dtype) -> dict:

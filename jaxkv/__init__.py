@@ -3,17 +3,32 @@
 Shape alphabet used throughout: L layers, B batch rows, H kv heads, T new tokens,
 S cached tokens or capacity, D head dim.
 
-The core (``jaxkv.cache``, ``jaxkv.blockwise``, ``jaxkv.sampling``) depends on jax only.
+The core (``jaxkv.caches``, ``jaxkv.attention``, ``jaxkv.attention.blockwise``, ``jaxkv.sampling``) depends on
+jax only.
 Generation and models need flax (``pip install jaxkv[models]``); they are imported lazily
 so that ``import jaxkv`` works with jax alone.
 """
 
-from jaxkv.cache import INVALID, OVERFLOW, CacheError, DynamicCache, StaticCache
-from jaxkv.encdec import CrossAttentionCache, EncoderDecoderCache
-from jaxkv.hybrid import HybridCache, layer_types_from_config, update_and_attend
-from jaxkv.quantized import QuantizedCache, dequantize, quantize
+from jaxkv.attention import update_and_attend
+from jaxkv.caches import (
+    INVALID,
+    NO_POSITION,
+    OVERFLOW,
+    CacheError,
+    CrossAttentionCache,
+    DynamicCache,
+    EncoderDecoderCache,
+    HybridCache,
+    KVCache,
+    LayerView,
+    QuantizedCache,
+    SlidingWindowCache,
+    StaticCache,
+    dequantize,
+    quantize,
+)
+from jaxkv.models.layer_types import layer_types_from_config
 from jaxkv.sampling import SamplingConfig
-from jaxkv.sliding import NO_POSITION, LayerView, SlidingWindowCache
 
 __all__ = [
     "INVALID",
@@ -25,6 +40,7 @@ __all__ = [
     "EncoderDecoderCache",
     "GenerateOutput",
     "HybridCache",
+    "KVCache",
     "LayerView",
     "QuantizedCache",
     "SamplingConfig",
@@ -39,6 +55,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+if "flax" in __import__("sys").modules:  # flax already loaded: let flax.serialization save caches
+    from jaxkv.serialization import register_flax_serialization
+
+    register_flax_serialization()
 
 _LAZY = {"generate": "generate", "stream": "stream", "GenerateOutput": "GenerateOutput"}
 

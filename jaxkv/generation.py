@@ -1,4 +1,4 @@
-"""Generation through a StaticCache: one compiled program, or a token stream.
+"""Generation through any jaxkv cache kind: one compiled program, or a token stream.
 
 * :func:`generate` runs prefill and the whole decode loop (a ``lax.while_loop``) inside one
   ``jax.jit``: greedy or sampled (temperature, top-k, top-p, a PRNG key), per-row stop
@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
-from jaxkv.cache import StaticCache
+from jaxkv.caches import KVCache
 from jaxkv.sampling import SamplingConfig, greedy, sample
 
 __all__ = [
@@ -100,11 +100,11 @@ def prefill(
     state: nnx.State,
     input_ids: jax.Array,  # [B, P] int
     prompt_lengths: jax.Array,  # [B] int
-    cache: StaticCache,
+    cache: KVCache,
     row_keys: jax.Array | None = None,
     sampling: SamplingConfig = GREEDY,
     chunk_size: int | None = None,
-) -> tuple[jax.Array, StaticCache]:  # ([B] int32, cache)
+) -> tuple[jax.Array, KVCache]:  # ([B] int32, cache)
     """Writes the prompts into ``cache`` and returns each row's first generated token.
 
     Row ``b``'s prompt is ``input_ids[b, :prompt_lengths[b]]``; the rest is padding that is
@@ -143,12 +143,12 @@ def decode_step(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     tokens: jax.Array,  # [B] int
-    cache: StaticCache,
+    cache: KVCache,
     row_keys: jax.Array | None = None,
     step: jax.Array | int = 1,
     sampling: SamplingConfig = GREEDY,
     active: jax.Array | None = None,  # [B] bool
-) -> tuple[jax.Array, StaticCache]:  # ([B] int32, cache)
+) -> tuple[jax.Array, KVCache]:  # ([B] int32, cache)
     """Feeds one token per row and picks the next; inactive rows write nothing."""
     model = nnx.merge(graphdef, state)
     num_new = None if active is None else active.astype(jnp.int32)
@@ -160,9 +160,17 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:  # [B] bool
     return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
 
-def _init_cache(model, batch, capacity, dtype, kind):
+def init_model_cache(model, batch: int, capacity: int, dtype: Any = None, kind: str = "static", *, rollback: int = 0):
+    """An empty cache of ``kind`` from the model's ``init_cache`` (shared by ``generate``,
+    ``stream`` and every decoding algorithm, so each takes every kind the model offers).
+
+    ``rollback``: the most tokens a ``crop`` may take back (speculative decoding); a kind
+    with ring layers gets that many extra slots so rolled-back positions are still held.
+    """
     if kind == "static":  # the plain protocol: any model with init_cache(batch, length, dtype=)
         return model.init_cache(batch, capacity, dtype=dtype)
+    if rollback and kind == "hybrid":
+        return model.init_cache(batch, capacity, dtype=dtype, kind=kind, extra_slots=rollback)
     return model.init_cache(batch, capacity, dtype=dtype, kind=kind)
 
 
@@ -176,7 +184,7 @@ def _generate(
 ):
     model = nnx.merge(graphdef, state)
     batch = input_ids.shape[0]
-    cache = _init_cache(model, batch, capacity, cache_dtype, cache_kind)
+    cache = init_model_cache(model, batch, capacity, cache_dtype, cache_kind)
     first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, stop_ids)
@@ -304,7 +312,7 @@ def generate(
 ) -> GenerateOutput:
     """Decodes a batch of (possibly ragged) prompts in one compiled program.
 
-    Prefill and every decode step run through a :class:`jaxkv.StaticCache` inside one
+    Prefill and every decode step run through a jaxkv cache (``cache_kind``) inside one
     ``jax.jit``; the loop is a ``lax.while_loop`` that ends when every row has stopped or
     N tokens are out. A second call with the same batch size, prompt bucket, N and
     sampling config compiles nothing.
@@ -403,7 +411,7 @@ class TokenStream:
 
     Each item is a NumPy int32 [B] array: the token each row produced at that step
     (``pad_token_id`` for rows that already stopped). ``cache`` is the current
-    StaticCache; ``done`` the rows that have stopped.
+    cache (of ``cache_kind``); ``done`` the rows that have stopped.
 
     Every ``iter()`` starts over from the prompt with a fresh, empty cache, so iterating
     again yields the same tokens (greedy, or sampling with the same key: row keys are
@@ -412,15 +420,18 @@ class TokenStream:
     and are gone.
     """
 
-    def __init__(self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype, chunk):
+    def __init__(
+        self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype, chunk,
+        cache_kind="static",
+    ):
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self._prefill, self._step = _stream_programs(graphdef, treedef)
         self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk)
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
-        self._empty_cache = partial(model.init_cache, batch, ids.shape[1] + max_new_tokens, dtype=dtype)
-        self.cache: StaticCache = self._empty_cache()
+        self._empty_cache = partial(init_model_cache, model, batch, ids.shape[1] + max_new_tokens, dtype, cache_kind)
+        self.cache: KVCache = self._empty_cache()
         self._cache_unused = True  # the first iteration takes this one instead of allocating
         self.done = np.zeros((batch,), bool)
 
@@ -465,6 +476,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
     cache_dtype: Any = None,
+    cache_kind: str = "static",
     bucket: bool = True,
     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> TokenStream:
@@ -484,4 +496,4 @@ def stream(
         prefill_chunk_size, "stream",
     )
     return TokenStream(model, ids, lengths, row_keys, stop_ids, int(pad_token_id), int(max_new_tokens), sampling,
-                       cache_dtype, chunk)
+                       cache_dtype, chunk, cache_kind)

@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax
 
 from jaxkv.attention import cache_attention
-from jaxkv.cache import DynamicCache, StaticCache
+from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.serialization import register_flax_serialization
 
 __all__ = ["KVSelfAttention"]
 
@@ -69,3 +70,7 @@ class KVSelfAttention(nn.Module):
         )  # [B, Hq, T, D]
         y = nn.DenseGeneral(embed_dim, axis=(-2, -1), use_bias=False, name="o_proj")(out.transpose(0, 2, 1, 3))
         return y, cache
+
+
+# Flax is here anyway: teach flax.serialization every cache kind.
+register_flax_serialization()

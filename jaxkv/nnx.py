@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.attention import cache_attention, token_positions
-from jaxkv.cache import DynamicCache, StaticCache
+from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.serialization import register_flax_serialization
 
 __all__ = ["CacheSpec", "KVAttention", "init_cache", "token_positions"]
 
@@ -47,7 +48,9 @@ class CacheSpec:
     head_dim: int
 
 
-def init_cache(spec: CacheSpec, batch_size: int, max_length: int, *, dtype: Any = jnp.float32) -> StaticCache:
+def init_cache(
+    spec: CacheSpec, batch_size: int, max_length: int, *, dtype: Any = jnp.float32, sharding: Any = None
+) -> StaticCache:
     """An empty :class:`StaticCache` shaped for a decoder.
 
     Args:
@@ -55,6 +58,7 @@ def init_cache(spec: CacheSpec, batch_size: int, max_length: int, *, dtype: Any 
         batch_size: B.
         max_length: S, capacity in tokens (prompt plus everything generated).
         dtype: storage dtype of keys and values.
+        sharding: optional ``NamedSharding`` of one layer's ``[B, H, S, D]``.
 
     Returns:
         A StaticCache with buffers [L, B, H, S, D] and all lengths 0.
@@ -66,6 +70,7 @@ def init_cache(spec: CacheSpec, batch_size: int, max_length: int, *, dtype: Any 
         head_dim=spec.head_dim,
         max_length=max_length,
         dtype=dtype,
+        sharding=sharding,
     )
 
 
@@ -196,3 +201,7 @@ class KVAttention(nnx.Module):
         )  # [B, Hq, T, D]
         out = out.transpose(0, 2, 1, 3).reshape(batch, num_tokens, self.num_heads * self.head_dim)
         return self.o_proj(out), cache
+
+
+# Flax is here anyway: teach flax.serialization every cache kind.
+register_flax_serialization()

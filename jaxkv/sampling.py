@@ -31,8 +31,8 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would make every logit 0 or NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

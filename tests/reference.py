@@ -12,6 +12,13 @@ import copy
 import numpy as np
 
 
+def crop_target(m: int, n: int) -> int:
+    """The length a row of ``n`` tokens keeps after ``crop(m)``: > 0 keep at most ``m``,
+    < 0 drop ``-m`` off the end, 0 drop nothing (transformers' rule)."""
+    m = int(m)
+    return min(n, m) if m > 0 else (max(n + m, 0) if m < 0 else n)
+
+
 class ReferenceCache:
     def __init__(self, num_layers: int, batch: int):
         self.rows = [[[] for _ in range(batch)] for _ in range(num_layers)]
@@ -32,11 +39,11 @@ class ReferenceCache:
                 self.rows[layer][b].append((keys[b, :, t, :].copy(), values[b, :, t, :].copy()))
 
     def crop(self, max_length) -> None:
-        m = np.broadcast_to(np.asarray(max_length), (self.batch,))
+        """> 0: keep at most that many; < 0: drop that many off each layer's own length; 0: nothing."""
+        m = np.broadcast_to(np.asarray(max_length, dtype=object), (self.batch,))
         for b in range(self.batch):
-            target = int(m[b]) if m[b] >= 0 else max(self.length(0, b) + int(m[b]), 0)
             for layer in self.rows:
-                del layer[b][target:]
+                del layer[b][crop_target(m[b], len(layer[b])):]
 
     def select(self, indices) -> None:
         self.rows = [[copy.deepcopy(layer[i]) for i in indices] for layer in self.rows]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv.attention import attend
-from jaxkv.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend
 from reference import make_inputs, numpy_attention
 
 

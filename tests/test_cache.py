@@ -91,7 +91,9 @@ def test_dynamic_crop_semantics():
     assert cache.crop(-2).get_seq_length(2) == 3
     assert cache.crop(-9).get_seq_length() == 0
     assert cache.crop(5).get_seq_length() == 5 and cache.crop(50).get_seq_length() == 5
-    empty = cache.crop(0)
+    # 0 drops nothing (transformers: crop(0) is a no-op; crop(-n) with n == 0 must be too).
+    assert [cache.crop(0).get_seq_length(i) for i in range(L)] == [5] * L
+    empty = cache.crop(-5)
     assert [empty.get_seq_length(i) for i in range(L)] == [0] * L
     k, v = states(2, seed=7)
     _, keys, _ = empty.update(k, v, 0)
@@ -220,7 +222,8 @@ def test_static_crop_is_exact_and_moves_no_data():
     ref.update(0, np.asarray(k2), np.asarray(v2))
     assert_matches_reference(after, ref, heads=H, head_dim=D)
     np.testing.assert_array_equal(cache.crop(-2).seq_lengths(0), [4, 4])
-    np.testing.assert_array_equal(cache.crop(0).seq_lengths(0), [0, 0])
+    np.testing.assert_array_equal(cache.crop(0).seq_lengths(0), [6, 6])  # 0 drops nothing
+    np.testing.assert_array_equal(cache.crop(-6).seq_lengths(0), [0, 0])
     np.testing.assert_array_equal(cache.crop(99).seq_lengths(0), [6, 6])
 
 

@@ -6,7 +6,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from jaxkv.cache import StaticCache
+from jaxkv.caches import StaticCache
 from jaxkv.decoding import beam_search
 from test_decoding_reference import make_model, next_token_log_probs
 

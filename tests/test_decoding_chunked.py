@@ -106,5 +106,5 @@ def test_errors(model):
         chunked_prefill(model, ids, model.init_cache(1, CAPACITY), chunk_size=0)
     with pytest.raises(ValueError, match="does not fit: the cache has 4 free slots"):
         chunked_prefill(model, ids, model.init_cache(1, 4), chunk_size=2)
-    with pytest.raises(TypeError, match="cache must be a StaticCache"):
+    with pytest.raises(TypeError, match="cache must be a jaxkv cache"):
         chunked_prefill(model, ids, None, chunk_size=2)

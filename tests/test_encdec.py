@@ -12,8 +12,8 @@ import pytest
 
 from jaxkv import CacheError, DynamicCache, StaticCache
 from jaxkv.attention import attend
-from jaxkv.encdec import CrossAttentionCache, EncoderDecoderCache
-from jaxkv.sliding import LayerView
+from jaxkv.caches import CrossAttentionCache, EncoderDecoderCache
+from jaxkv.caches import LayerView
 
 LAYERS, MODEL, HQ, HKV, HD, VOCAB, ENC, CAP = 2, 8, 4, 2, 4, 13, 6, 16
 

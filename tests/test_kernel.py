@@ -19,7 +19,7 @@ import pytest
 
 from jaxkv import StaticCache, _kernels
 from jaxkv.attention import cache_attention
-from jaxkv.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend
 from reference import make_inputs, numpy_attention
 
 # Skipped only where there is no C++ compiler at all; with one, a failed build fails here.
@@ -229,7 +229,7 @@ FALLBACK = textwrap.dedent(
     import warnings
     import jax.numpy as jnp, numpy as np
     from jaxkv import _kernels
-    from jaxkv.blockwise import blockwise_attend
+    from jaxkv.attention.blockwise import blockwise_attend
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ok = _kernels.available()

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkv import _kernels
-from jaxkv.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend
 
 ARGS = (jnp.ones((1, 2, 1, 16)), jnp.ones((1, 1, 8, 16)), jnp.ones((1, 1, 8, 16)))
 KW = dict(q_positions=jnp.array([[4]], jnp.int32), kv_lengths=jnp.array([5], jnp.int32))

@@ -87,11 +87,10 @@ def test_ragged_chunks_equal_each_row_alone():
 def _fill_unused_with_nan(cache: StaticCache) -> StaticCache:
     slots = jnp.arange(cache.max_length)
     unused = slots[None, None, None, :, None] >= cache.lengths[:, :, None, None, None]  # [L, B, 1, S, 1]
-    nan_cache = dataclasses.replace(
-        cache,
-        keys=jnp.where(unused, jnp.nan, cache.keys),
-        values=jnp.where(unused, jnp.nan, cache.values),
+    storage = dataclasses.replace(
+        cache.stores[0], keys=jnp.where(unused, jnp.nan, cache.keys), values=jnp.where(unused, jnp.nan, cache.values)
     )
+    nan_cache = dataclasses.replace(cache, stores=(storage,))
     # Own copies of every leaf: donating one cache must not delete the other's lengths.
     return jax.tree.map(jnp.copy, nan_cache)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import attend
-from jaxkv.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend
 
 HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
 Q_HEADS, KV_HEADS, TOKENS, SLOTS, DIM = 4, 2, 3, 48, 16

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import INVALID, OVERFLOW, CacheError, StaticCache
-from jaxkv.quantized import QuantizedCache, dequantize, quantize
+from jaxkv.caches import QuantizedCache, dequantize, quantize
 from reference import ReferenceCache
 
 L, B, H, D, S = 2, 2, 2, 4, 12
@@ -127,7 +127,7 @@ class QuantizedReference(ReferenceCache):
 
 @jax.jit
 def _snapshot(cache):
-    return cache.lengths, jnp.stack([jnp.stack(cache._dequantized(layer)) for layer in range(cache.num_layers)])
+    return cache.lengths, jnp.stack([jnp.stack(cache[layer]) for layer in range(cache.num_layers)])
 
 
 def assert_matches(cache, ref):

@@ -57,7 +57,7 @@ def test_sampling_frequencies_follow_filtered_distribution():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(temperature=-1.0), "temperature must be >= 0"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p")],
+    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p")],
 )
 def test_bad_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

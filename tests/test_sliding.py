@@ -3,6 +3,7 @@ attention against full attention with a band mask, rollback, jit / vmap / scan /
 and every error path."""
 
 from __future__ import annotations
+import dataclasses
 
 import copy
 
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 
 from jaxkv import INVALID, CacheError
 from jaxkv.attention import attend
-from jaxkv.sliding import NO_POSITION, SlidingWindowCache
+from jaxkv.caches import NO_POSITION, SlidingWindowCache
+from reference import crop_target
 
 L, B, H, D = 2, 2, 2, 3
 
@@ -69,17 +71,16 @@ class SlidingReference:
         m = np.broadcast_to(np.asarray(max_length), (self.batch,))
         for layer in range(len(self.history)):
             for b in range(self.batch):
-                target = int(m[b]) if m[b] >= 0 else max(self.length(0, b) + int(m[b]), 0)
+                target = crop_target(m[b], self.length(layer, b))
                 if target < self.length(layer, b) and self.start[layer][b] > max(0, target - self.window + 1):
                     return layer, b
         return None
 
     def crop(self, max_length):
         m = np.broadcast_to(np.asarray(max_length), (self.batch,))
-        targets = [int(m[b]) if m[b] >= 0 else max(self.length(0, b) + int(m[b]), 0) for b in range(self.batch)]
         for layer in range(len(self.history)):
-            for b, target in enumerate(targets):
-                del self.history[layer][b][target:]
+            for b in range(self.batch):
+                del self.history[layer][b][crop_target(m[b], self.length(layer, b)):]
                 self.start[layer][b] = min(self.start[layer][b], self.length(layer, b))
 
     def select(self, indices):
@@ -208,10 +209,10 @@ def test_nan_in_empty_or_padding_entries_contributes_nothing():
     k = jnp.ones((B, H, 2, D))
     cache, _, _ = make(3, 0).update(k, k, 0)
     empty = (cache.kv_positions(0) == NO_POSITION)[None, :, None, :, None]
-    poisoned = SlidingWindowCache(  # slots that hold no token: NaN
-        keys=jnp.where(empty, jnp.nan, cache.keys), values=jnp.where(empty, jnp.nan, cache.values),
-        lengths=cache.lengths, starts=cache.starts, flags=cache.flags, window=cache.window,
+    ring = dataclasses.replace(  # slots that hold no token: NaN
+        cache.stores[0], keys=jnp.where(empty, jnp.nan, cache.keys), values=jnp.where(empty, jnp.nan, cache.values)
     )
+    poisoned = dataclasses.replace(cache, stores=(ring,))
     for t in (1, 3):  # the ring after the write, and ring-before + chunk
         bad = jnp.full((B, H, t, D), jnp.nan).at[:, :, 0].set(2.0)  # padding tokens: NaN
         q = jnp.ones((B, 2 * H, t, D))

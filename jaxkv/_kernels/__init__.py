@@ -1,7 +1,7 @@
 """Native kernels, built on first use with the machine's C++ compiler.
 
 ``decode_attention.cc`` is an XLA:CPU FFI handler: decode attention that reads a stacked
-``StaticCache`` buffer in place (see its header comment and :mod:`jaxkv.blockwise`). It is
+``StaticCache`` buffer in place (see its header comment and :mod:`jaxkv.attention.blockwise`). It is
 compiled once per (source, jaxlib, compiler, CPU) into a cache directory, loaded with
 ctypes and registered as the FFI target ``jaxkv_decode_attention`` for the CPU platform.
 

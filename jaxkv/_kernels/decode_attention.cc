@@ -1,7 +1,7 @@
 // Decode attention over a stacked StaticCache buffer, read in place: an XLA:CPU FFI kernel.
 //
 // XLA:CPU copies every dynamic-slice block out of the cache before it can feed a dot, so the
-// blockwise loop in jaxkv/blockwise.py moves each cached byte twice and runs the copy on one
+// blockwise loop in jaxkv/attention/blockwise.py moves each cached byte twice and runs the copy on one
 // thread. This kernel reads keys and values where they lie in the [L, B, H, S, D] buffers,
 // once each, split across XLA's intra-op thread pool, with the same visibility rule and
 // online softmax as the blockwise loop (jaxkv.attention.attend is the specification).

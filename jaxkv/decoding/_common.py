@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.cache import StaticCache
+from jaxkv.caches import KVCache
 from jaxkv.sampling import SamplingConfig, top_k_filter, top_p_filter
 
 
@@ -20,9 +20,9 @@ def forward(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     tokens: jax.Array,  # [B, T] int32
-    cache: StaticCache,
+    cache: KVCache,
     num_new: jax.Array | None = None,  # [B] int32
-) -> tuple[jax.Array, StaticCache]:  # (logits [B, T, V] float32, cache)
+) -> tuple[jax.Array, KVCache]:  # (logits [B, T, V] float32, cache)
     """Runs the model (given as ``nnx.split`` halves) over ``tokens``; logits in float32."""
     model = nnx.merge(graphdef, state)
     logits, cache = model(tokens, cache, num_new)
@@ -48,6 +48,14 @@ def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # 
     if config.top_p is not None:
         flat = top_p_filter(flat, config.top_p)
     return flat.reshape(shape)
+
+
+def free_slots(cache: Any) -> np.ndarray | None:
+    """int[B] tokens each row can still take, or None for a cache that never fills (rings)."""
+    capacity = cache.get_max_length()
+    if capacity is None:
+        return None
+    return capacity - np.asarray(cache.seq_lengths(0))
 
 
 def check_positive_int(value: Any, name: str, who: str) -> int:

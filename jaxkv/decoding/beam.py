@@ -47,7 +47,7 @@ from jaxkv.decoding._common import (
     forward,
     logits_at,
 )
-from jaxkv.generation import check_prompts
+from jaxkv.generation import check_prompts, init_model_cache
 
 __all__ = ["BeamSearchOutput", "beam_search"]
 
@@ -81,12 +81,12 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:  # [B, K, ...], [B, M] -
 @partial(
     jax.jit,
     static_argnames=(
-        "graphdef", "max_new_tokens", "num_beams", "eos_token_id", "pad_token_id", "cache_dtype",
+        "graphdef", "max_new_tokens", "num_beams", "eos_token_id", "pad_token_id", "cache_dtype", "cache_kind",
     ),
 )
 def _beam_search(
     graphdef, state, input_ids, prompt_lengths, length_penalty, early_stopping, *, max_new_tokens, num_beams,
-    eos_token_id, pad_token_id, cache_dtype,
+    eos_token_id, pad_token_id, cache_dtype, cache_kind,
 ):
     # length_penalty (float32) and early_stopping (int32: 0 False, 1 True, 2 "never") are
     # traced, so changing them reuses the compiled search.
@@ -95,7 +95,7 @@ def _beam_search(
     n, k = max_new_tokens, num_beams
     keep = 2 * k  # HF: max(2, 1 + number of EOS ids) * num_beams
     # Each step feeds the chosen tokens (the last one too, whose logits go unused).
-    cache = model.init_cache(batch, prompt_len + n, dtype=cache_dtype)
+    cache = init_model_cache(model, batch, prompt_len + n, cache_dtype, cache_kind)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
     logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), k, axis=0)  # [B*K, V]
     cache = cache.batch_repeat_interleave(k)
@@ -200,6 +200,7 @@ def beam_search(
     num_return_sequences: int = 1,
     prompt_lengths: Any = None,  # [B] int
     cache_dtype: Any = None,
+    cache_kind: str = "static",
 ) -> BeamSearchOutput:
     """Beam search over each prompt; the whole search is one jitted ``while_loop``.
 
@@ -220,6 +221,8 @@ def beam_search(
         num_return_sequences: R <= K best hypotheses returned per prompt.
         prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
+        cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
+            (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
 
     Returns:
         A :class:`BeamSearchOutput` with ``sequences`` [B, R, N], ``lengths`` [B, R] and
@@ -264,5 +267,6 @@ def beam_search(
         eos_token_id=eos,
         pad_token_id=pad,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+        cache_kind=cache_kind,
     )
     return BeamSearchOutput(sequences[:, :r], lengths[:, :r], scores[:, :r])

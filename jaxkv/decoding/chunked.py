@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.cache import StaticCache
-from jaxkv.decoding._common import check_positive_int, forward, logits_at
+from jaxkv.caches import KVCache, check_cache
+from jaxkv.decoding._common import check_positive_int, forward, free_slots, logits_at
 from jaxkv.generation import check_prompts
 
 __all__ = ["chunked_prefill", "prefill_chunk"]
@@ -38,10 +38,10 @@ __all__ = ["chunked_prefill", "prefill_chunk"]
 def prefill_chunk(
     graphdef: nnx.GraphDef,
     state: nnx.State,
-    cache: StaticCache,
+    cache: KVCache,
     tokens: jax.Array,  # [B, C] int32
     num_new: jax.Array,  # [B] int32, in [0, C]
-) -> tuple[jax.Array, jax.Array, StaticCache]:  # (last [B, V], logits [B, C, V], cache)
+) -> tuple[jax.Array, jax.Array, KVCache]:  # (last [B, V], logits [B, C, V], cache)
     """One chunk: row ``b`` stores its first ``num_new[b]`` tokens; the others are padding.
 
     Returns each row's logits at its last stored token of this chunk (meaningless where
@@ -63,18 +63,18 @@ def _chunk_step(graphdef, state, cache, tokens, num_new, last, *, return_logits)
 def chunked_prefill(
     model: nnx.Module,
     input_ids: Any,  # [B, P] int
-    cache: StaticCache,
+    cache: KVCache,
     *,
     chunk_size: int,
     prompt_lengths: Any = None,  # [B] int
     return_logits: bool = False,
-) -> tuple[jax.Array, StaticCache]:
+) -> tuple[jax.Array, KVCache]:
     """Prefills prompts chunk by chunk; the cache is donated (do not reuse the one passed).
 
     Args:
         model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
         input_ids: [B, P] prompts, right-padded when ragged.
-        cache: a :class:`StaticCache` for the model with room for the prompts; each row's
+        cache: a jaxkv cache of any kind for the model with room for the prompts; each row's
             prompt is appended at its current length.
         chunk_size: C, tokens per chunk (one compiled program per C).
         prompt_lengths: [B] real prompt length per row, in ``[1, P]``; default P.
@@ -89,7 +89,7 @@ def chunked_prefill(
         ValueError: bad prompts (a token id outside ``[0, V)`` included) or chunk size;
             eagerly, a prompt that overflows the cache.
         TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
-            ``loaded.model``), or ``cache`` not a StaticCache.
+            ``loaded.model``), or ``cache`` not a jaxkv cache.
 
     Example:
         >>> cache = model.init_cache(batch_size=1, max_length=4096)           # doctest: +SKIP
@@ -100,15 +100,14 @@ def chunked_prefill(
     check_model(model, who)
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     chunk = check_positive_int(chunk_size, "chunk_size", who)
-    if not isinstance(cache, StaticCache):
-        raise TypeError(f"{who}: cache must be a StaticCache (model.init_cache(...)), got {type(cache).__name__}")
+    check_cache(cache, who)
     batch, prompt_len = input_ids.shape
-    free = cache.max_length - np.asarray(cache.seq_lengths(0))
-    if (np.asarray(prompt_lengths) > free).any():
+    free = free_slots(cache)
+    if free is not None and (np.asarray(prompt_lengths) > free).any():
         row = int(np.argmax(np.asarray(prompt_lengths) > free))
         raise ValueError(
             f"{who}: row {row}'s prompt of {int(prompt_lengths[row])} tokens does not fit: the cache has "
-            f"{int(free[row])} free slots (max_length={cache.max_length}); allocate a larger cache"
+            f"{int(free[row])} free slots (max_length={cache.get_max_length()}); allocate a larger cache"
         )
     num_chunks = -(-prompt_len // chunk)
     padded = jnp.pad(input_ids, ((0, 0), (0, num_chunks * chunk - prompt_len)))

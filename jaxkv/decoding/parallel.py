@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
-from jaxkv.generation import check_prompts
+from jaxkv.generation import check_prompts, init_model_cache
 from jaxkv.sampling import SamplingConfig, sample
 
 __all__ = ["sample_keys", "sample_n"]
@@ -43,13 +43,15 @@ def _sample_rows(logits, keys, step, config):  # [R, V], [R] keys, scalar -> [R]
     return jax.vmap(one)(logits, keys)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype"))
-def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_tokens, config, eos_token_id, pad_token_id, cache_dtype):
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype",
+                                   "cache_kind"))
+def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_tokens, config, eos_token_id, pad_token_id, cache_dtype,
+              cache_kind):
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     n = keys.shape[1]
     # The last sampled token is never fed back, so it needs no slot.
-    cache = model.init_cache(batch, prompt_len + max_new_tokens - 1, dtype=cache_dtype)
+    cache = init_model_cache(model, batch, prompt_len + max_new_tokens - 1, cache_dtype, cache_kind)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
     logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), n, axis=0)  # [B*n, V]
     cache = cache.batch_repeat_interleave(n)
@@ -85,6 +87,7 @@ def sample_n(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
     cache_dtype: Any = None,
+    cache_kind: str = "static",
 ) -> jax.Array:  # [B, n, N] int32
     """Draws ``num_return_sequences`` samples per prompt, prefilling each prompt once.
 
@@ -100,6 +103,8 @@ def sample_n(
         eos_token_id: if set, a sample stops at its EOS (kept) and is padded after it.
         pad_token_id: the padding token after an EOS.
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
+        cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
+            (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
 
     Returns:
         int32 [B, n, N]: ``out[b, j]`` is sample ``j`` of prompt ``b``.
@@ -144,4 +149,5 @@ def sample_n(
         eos_token_id=eos,
         pad_token_id=pad,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+        cache_kind=cache_kind,
     )

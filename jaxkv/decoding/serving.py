@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
-from jaxkv.cache import StaticCache
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
+from jaxkv.generation import init_model_cache
 from jaxkv.sampling import greedy
 
 __all__ = ["Completion", "Request", "ServingLoop"]
@@ -98,15 +98,9 @@ class _Slot:
     tokens: list[int] = dataclasses.field(default_factory=list)
 
 
-def _put_rows(cache: StaticCache, rows: jax.Array, part: StaticCache) -> StaticCache:
+def _put_rows(cache: Any, rows: jax.Array, part: Any) -> Any:
     """Writes ``part``'s rows into ``cache`` at ``rows`` (int32[R]); out-of-range rows are dropped."""
-    return dataclasses.replace(
-        cache,
-        keys=cache.keys.at[:, rows].set(part.keys, mode="drop"),
-        values=cache.values.at[:, rows].set(part.values, mode="drop"),
-        lengths=cache.lengths.at[:, rows].set(part.lengths, mode="drop"),
-        flags=cache.flags.at[rows].set(part.flags, mode="drop"),
-    )
+    return cache.put_rows(rows, part)
 
 
 def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, reset):
@@ -143,6 +137,8 @@ class ServingLoop:
         policy: ``"continuous"`` (refill a slot as soon as it frees) or ``"static"``
             (admit a new batch only when all slots are free: the baseline).
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
+        cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
+            (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
 
     Raises:
         TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
@@ -166,6 +162,7 @@ class ServingLoop:
         eos_token_id: int | None = None,
         policy: str = "continuous",
         cache_dtype: Any = None,
+        cache_kind: str = "static",
     ):
         who = "ServingLoop"
         check_model(model, who)
@@ -183,7 +180,7 @@ class ServingLoop:
         if self.prefill_rows > self.num_slots:
             raise ValueError(f"{who}: prefill_rows ({prefill_rows}) must be <= num_slots ({num_slots})")
         self._graphdef, self._state = nnx.split(model)
-        self._cache = model.init_cache(self.num_slots, self.max_length, dtype=cache_dtype)
+        self._cache = init_model_cache(model, self.num_slots, self.max_length, cache_dtype, cache_kind)
         self._counter = collections.Counter()
         self._prefill = jax.jit(partial(_prefill_program, self._graphdef, self._counter), donate_argnames="cache")
         self._decode = jax.jit(partial(_decode_program, self._graphdef, self._counter), donate_argnames="cache")

@@ -8,7 +8,7 @@ Each round, per row:
 3. the longest acceptable prefix ``d_1..d_a`` is kept, plus one token from the target at
    position ``a`` (a correction if ``a < k``, a free "bonus" token if ``a == k``): every
    round emits ``a + 1 >= 1`` tokens;
-4. rejected tokens are rolled back with ``StaticCache.crop(int32[B])``: each row keeps its
+4. rejected tokens are rolled back with ``cache.crop(int32[B])`` (any kind): each row keeps its
    own number of tokens and no data moves; the next round overwrites the stale slots.
 
 Rows accept different counts, so rows drift apart in length; the per-row ``lengths`` of the
@@ -44,7 +44,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
-from jaxkv.generation import check_prompts
+from jaxkv.generation import check_prompts, init_model_cache
 from jaxkv.sampling import SamplingConfig, greedy
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
@@ -83,11 +83,12 @@ def _leading_true(x: jax.Array) -> jax.Array:  # [B, k] bool -> [B] int32
 
 @partial(
     jax.jit,
-    static_argnames=("target_graphdef", "draft_graphdef", "max_new_tokens", "num_draft_tokens", "config", "cache_dtype"),
+    static_argnames=("target_graphdef", "draft_graphdef", "max_new_tokens", "num_draft_tokens", "config", "cache_dtype",
+                     "cache_kind"),
 )
 def _speculative(
     target_graphdef, target_state, draft_graphdef, draft_state, input_ids, prompt_lengths, key, *,
-    max_new_tokens, num_draft_tokens, config, cache_dtype,
+    max_new_tokens, num_draft_tokens, config, cache_dtype, cache_kind,
 ):
     target = nnx.merge(target_graphdef, target_state)
     draft = nnx.merge(draft_graphdef, draft_state)
@@ -97,8 +98,9 @@ def _speculative(
     greedy_mode = config.is_greedy
     # An unfinished row holds < n tokens, all but the last in the cache, and writes k + 1.
     capacity = prompt_len + n + k
-    t_cache = target.init_cache(batch, capacity, dtype=cache_dtype)
-    d_cache = draft.init_cache(batch, capacity, dtype=cache_dtype)
+    # A round rolls back at most k + 1 tokens: ring layers keep that many extra slots.
+    t_cache = init_model_cache(target, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
+    d_cache = init_model_cache(draft, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
     t_logits, t_cache = forward(target_graphdef, target_state, input_ids, t_cache, prompt_lengths)
     _, d_cache = forward(draft_graphdef, draft_state, input_ids, d_cache, prompt_lengths)
     t_logits = logits_at(t_logits, prompt_lengths - 1)
@@ -220,6 +222,7 @@ def speculative_generate(
     key: jax.Array | None = None,
     prompt_lengths: Any = None,  # [B] int
     cache_dtype: Any = None,
+    cache_kind: str = "static",
 ) -> SpeculativeOutput:
     """Generates with ``target``, drafting ``num_draft_tokens`` at a time with ``draft``.
 
@@ -234,6 +237,8 @@ def speculative_generate(
         key: PRNG key, required when sampling.
         prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
         cache_dtype: key/value storage dtype of both caches; default each model's dtype.
+        cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
+            (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
 
     Returns:
         :class:`SpeculativeOutput`: ``tokens`` [B, N] and acceptance statistics.
@@ -279,5 +284,6 @@ def speculative_generate(
         num_draft_tokens=k,
         config=config,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
+        cache_kind=cache_kind,
     )
     return SpeculativeOutput(tokens, accepted, rounds, k)

@@ -7,7 +7,31 @@ Example:
     >>> logits, cache = loaded.model(tokens, cache)           # doctest: +SKIP
 """
 
-from jaxkv.models.llama import ARCHITECTURES, Llama, LlamaConfig
-from jaxkv.models.loading import CheckpointError, Pretrained, from_pretrained
+from jaxkv.models.layer_types import FULL, SLIDING, layer_types_from_config
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "Llama", "LlamaConfig", "Pretrained", "from_pretrained"]
+_LAZY = {
+    "ARCHITECTURES": "jaxkv.models.llama",
+    "Llama": "jaxkv.models.llama",
+    "LlamaConfig": "jaxkv.models.llama",
+    "CheckpointError": "jaxkv.models.loading",
+    "Pretrained": "jaxkv.models.loading",
+    "from_pretrained": "jaxkv.models.loading",
+}
+
+
+def __getattr__(name):
+    # The models need flax; the layer-type rule does not (the core's HybridCache uses it),
+    # so flax is imported only when a model name is first used.
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxkv.models' has no attribute {name!r}")
+
+
+__all__ = [
+    "ARCHITECTURES", "CheckpointError", "FULL", "Llama", "LlamaConfig", "Pretrained", "SLIDING", "from_pretrained",
+    "layer_types_from_config",
+]

@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_token_ids
-from jaxkv.cache import DynamicCache, StaticCache
+from jaxkv.caches import DynamicCache, StaticCache, check_cache
+from jaxkv.models.layer_types import FULL, SLIDING, layer_types_from_config
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
 __all__ = ["ARCHITECTURES", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "rope_frequencies"]
@@ -158,20 +159,12 @@ class LlamaConfig:
                 raise ValueError(f"{source}: rope_type {rope_type!r} needs rope parameter(s) {missing}")
             scaling = tuple(sorted((k, rope[k]) for k in required)) + (("rope_type", rope_type),)
 
-        sliding_window = hf.get("sliding_window")
-        if "layer_types" in hf and hf["layer_types"]:
-            sliding = tuple(t == "sliding_attention" for t in hf["layer_types"])
-        elif arch == "MistralForCausalLM":
-            sliding = (sliding_window is not None,) * num_layers
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
-            first = hf.get("max_window_layers", num_layers)
-            sliding = tuple(i >= first for i in range(num_layers))
-        else:
-            sliding = (False,) * num_layers
-        if not any(sliding):
-            sliding_window = None
-        elif sliding_window is None:
-            raise ValueError(f"{source}: layers are marked sliding but sliding_window is not set")
+        try:
+            # The architecture picked above decides the model type (model_type may be absent).
+            types, sliding_window = layer_types_from_config({**hf, "model_type": "", "architectures": [arch]})
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        sliding = tuple(t == SLIDING for t in types)
 
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
@@ -372,6 +365,8 @@ class Llama(nnx.Module):
         kind: str = "static",
         bits: int = 8,
         residual_length: int = 0,
+        extra_slots: int = 0,
+        sharding: Any = None,
     ) -> Any:
         """An empty cache for this model; keys/values in the parameter dtype by default.
 
@@ -385,6 +380,9 @@ class Llama(nnx.Module):
                 ``"quantized"`` (int8 / int4 keys and values, see ``bits``).
             bits: 8 or 4, for ``kind="quantized"``.
             residual_length: recent tokens kept in full precision, for ``kind="quantized"``.
+            extra_slots: ring slots beyond the window, for ``kind="hybrid"``: how many
+                tokens a ``crop`` may roll back once a window is full (speculative decoding).
+            sharding: optional ``NamedSharding`` of one layer's ``[B, H, S, D]`` (every kind).
 
         Raises:
             ValueError: an unknown kind, or ``"hybrid"`` for a config without sliding layers.
@@ -392,10 +390,9 @@ class Llama(nnx.Module):
         dtype = self.dtype if dtype is None else dtype
         spec = self.cache_spec
         if kind == "static":
-            return init_cache(spec, batch_size, max_length, dtype=dtype)
+            return init_cache(spec, batch_size, max_length, dtype=dtype, sharding=sharding)
         if kind == "hybrid":
-            # Imported here: the cache kinds live beside the core, the model only uses them.
-            from jaxkv.hybrid import FULL, SLIDING, HybridCache
+            from jaxkv.caches import HybridCache
 
             if self.config.sliding_window is None or not any(self.config.sliding_layers):
                 raise ValueError(
@@ -405,26 +402,27 @@ class Llama(nnx.Module):
             return HybridCache.init(
                 layer_types=[SLIDING if s else FULL for s in self.config.sliding_layers],
                 batch_size=batch_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                max_length=max_length, window=self.config.sliding_window, dtype=dtype,
+                max_length=max_length, window=self.config.sliding_window, extra_slots=extra_slots, dtype=dtype,
+                sharding=sharding,
             )
         if kind == "quantized":
-            from jaxkv.quantized import QuantizedCache
+            from jaxkv.caches import QuantizedCache
 
             return QuantizedCache.init(
                 num_layers=spec.num_layers, batch_size=batch_size, num_kv_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim, max_length=max_length, bits=bits, residual_length=residual_length,
-                dtype=dtype,
+                dtype=dtype, sharding=sharding,
             )
         raise ValueError(f"kind must be 'static', 'hybrid' or 'quantized', got {kind!r}")
 
     def __call__(
         self,
         tokens: jax.Array,  # [B, T] int
-        cache: StaticCache | DynamicCache | None = None,
+        cache: Any = None,
         num_new: jax.Array | None = None,  # [B] int
         *,
         logits_at: jax.Array | None = None,  # [B] int
-    ) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
+    ) -> tuple[jax.Array, Any]:
         """Runs T new tokens per row through the decoder, writing them into the cache.
 
         Prefill (T = prompt length) and decode (T = 1) are the same call. Row ``b``'s new
@@ -439,7 +437,7 @@ class Llama(nnx.Module):
 
         Args:
             tokens: [B, T] token ids.
-            cache: StaticCache, DynamicCache, or None for a full forward over ``tokens`` alone.
+            cache: any jaxkv cache, or None for a full forward over ``tokens`` alone.
             num_new: [B] real tokens per row (ragged prompts without left padding: row b
                 holds ``num_new[b]`` tokens followed by padding). Default: all T.
             logits_at: optional [B] index into the T tokens: return only that token's
@@ -457,13 +455,16 @@ class Llama(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, new_tokens], got {list(tokens.shape)}; add a batch axis")
         check_token_ids(tokens, self.config.vocab_size, "Llama.__call__", name="tokens")
-        if isinstance(cache, StaticCache):
-            got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
-            want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
-            if got != want or cache.batch_size != tokens.shape[0]:
+        if cache is not None:
+            check_cache(cache, "Llama.__call__")
+            # Every kind states its geometry (a DynamicCache only what its seeded layers show).
+            names = ("num_layers", "num_kv_heads", "head_dim", "batch_size")
+            want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, tokens.shape[0])
+            got = tuple(getattr(cache, n, None) for n in names)
+            if any(g is not None and g != w for g, w in zip(got, want)) or len(cache) not in (0, want[0]):
                 raise ValueError(
-                    f"cache has (layers, kv_heads, head_dim, batch) = {got + (cache.batch_size,)}, the model "
-                    f"needs {want + (tokens.shape[0],)}; create it with model.init_cache(batch_size, max_length)"
+                    f"cache has (layers, kv_heads, head_dim, batch) = {got}, the model needs {want}; "
+                    "create it with model.init_cache(batch_size, max_length)"
                 )
         batch, num_tokens = tokens.shape
         positions = token_positions(cache, batch, num_tokens)

@@ -14,7 +14,7 @@ which is how :class:`jaxkv.StaticCache` lays tokens out) and is *filled* iff
   (the query sees itself and the ``W - 1`` tokens before it, as HF transformers).
 
 Non-finite keys and values: one contract for :func:`attend`, the blockwise XLA loop and
-the native CPU kernel of :mod:`jaxkv.blockwise`:
+the native CPU kernel of :mod:`jaxkv.attention.blockwise`:
 
 * a slot a query cannot see (unfilled, in its future, outside its window) never affects
   that query, whatever it holds (NaN, inf, garbage);
@@ -43,10 +43,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxkv.blockwise import blockwise_attend
-from jaxkv.cache import DynamicCache, StaticCache
-
-__all__ = ["attend", "attention_mask", "cache_attention", "token_positions"]
+__all__ = ["attend", "attention_mask"]
 
 Implementation = Literal["jaxkv", "jax"]
 
@@ -242,125 +239,3 @@ def attend(
     )
     out = jnp.where(marked[..., None], jnp.nan, out)
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
-
-
-def token_positions(
-    cache: StaticCache | DynamicCache | None, batch_size: int, num_tokens: int
-) -> jax.Array:  # [B, T] int32
-    """Absolute positions of the next ``num_tokens`` tokens of every row.
-
-    Read them once, before the first layer writes: every layer of one forward pass writes
-    at the same positions.
-
-    Args:
-        cache: a StaticCache (per-row lengths), a DynamicCache (one shared length), or None
-            (no cache: positions start at 0).
-        batch_size: B.
-        num_tokens: T.
-
-    Returns:
-        int32 [B, T] positions.
-
-    Raises:
-        TypeError: a cache of another type.
-    """
-    if isinstance(cache, StaticCache) or hasattr(cache, "update_view"):
-        return cache.positions(num_tokens, 0)
-    if cache is not None and not isinstance(cache, DynamicCache):
-        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
-    start = 0 if cache is None else cache.get_seq_length(0)
-    return jnp.broadcast_to(start + jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
-
-
-def cache_attention(
-    queries: jax.Array,  # [B, Hq, T, D]
-    keys: jax.Array,  # [B, H, T, D]
-    values: jax.Array,  # [B, H, T, D]
-    cache: StaticCache | DynamicCache | None,
-    layer_idx: int | jax.Array,
-    *,
-    positions: jax.Array,  # [B, T] int
-    num_new: jax.Array | None = None,  # [B] int
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
-) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
-    """Writes one layer's new keys/values into the cache, then attends over that layer.
-
-    The one place that knows how each cache type reports what it holds; framework
-    modules (``jaxkv.nnx``, ``jaxkv.linen``) call it.
-
-    Args:
-        queries: [B, Hq, T, D] position-encoded queries of the new tokens.
-        keys: [B, H, T, D] position-encoded keys of the new tokens.
-        values: [B, H, T, D] values of the new tokens.
-        cache: StaticCache, DynamicCache, or None (the T tokens are the whole context).
-        layer_idx: the cache layer to write and read.
-        positions: [B, T] absolute positions of the new tokens (:func:`token_positions`).
-        num_new: [B] real tokens per row; the rest is padding, never stored or attended
-            to. Default all T. A DynamicCache cannot take it (its rows share one length).
-        sliding_window, logit_softcap, scale: as in :func:`attend`.
-
-    Returns:
-        ``(out [B, Hq, T, D], new_cache)``; ``new_cache`` is None when ``cache`` is None.
-
-    Raises:
-        ValueError: ``num_new`` with a DynamicCache, or any error of :func:`attend`.
-        TypeError: a cache of another type.
-    """
-    batch = queries.shape[0]
-    kv_positions = None
-    if cache is None:
-        # Slot t holds the token at positions[:, t].
-        kv_positions = positions
-        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
-    elif isinstance(cache, StaticCache):
-        cache, _, _ = cache.update(keys, values, layer_idx, num_new=num_new)
-        # Blockwise over the stacked buffers: reads only the blocks rows have filled (cost
-        # scales with tokens stored, not capacity) and never slices a layer out first.
-        out = blockwise_attend(
-            queries,
-            cache.keys,
-            cache.values,
-            layer_idx=layer_idx,
-            q_positions=positions,
-            kv_lengths=cache.seq_lengths(layer_idx),
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            scale=scale,
-        )
-        return out, cache
-    elif isinstance(cache, DynamicCache):
-        if num_new is not None:
-            raise ValueError(
-                "num_new needs per-row lengths, which DynamicCache does not track (all its rows share "
-                "one length); use StaticCache for ragged batches"
-            )
-        cache, keys, values = cache.update(keys, values, layer_idx)
-        kv_lengths = jnp.full((batch,), keys.shape[2], jnp.int32)
-    elif hasattr(cache, "update_view"):
-        # The other cache kinds (sliding ring, quantized, hybrid, encoder-decoder self part)
-        # report per-slot positions and their own window with the written layer.
-        cache, view = cache.update_view(keys, values, layer_idx, num_new=num_new)
-        if view.sliding_window is not None:
-            if sliding_window is not None and sliding_window != view.sliding_window:
-                raise ValueError(
-                    f"layer {layer_idx} of the {type(cache).__name__} has window {view.sliding_window} but "
-                    f"the model asks for sliding_window={sliding_window}; build the cache with the model's window"
-                )
-            sliding_window = view.sliding_window
-        keys, values, kv_lengths, kv_positions = view.keys, view.values, view.kv_lengths, view.kv_positions
-    else:
-        raise TypeError(f"cache must be a jaxkv StaticCache, DynamicCache or None, got {type(cache).__name__}")
-    out = attend(
-        queries,
-        keys,
-        values,
-        q_positions=positions,
-        kv_lengths=kv_lengths,
-        kv_positions=kv_positions,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-    )
-    return out, cache

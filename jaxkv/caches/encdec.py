@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import register_dataclass
 
-from jaxkv.attention import token_positions
-from jaxkv.cache import (
-    DynamicCache,
+from jaxkv.caches._checks import (
     INVALID,
+    OVERFLOW,
     _check_beam_idx,
     _check_repeats,
     _check_reset_rows,
@@ -42,7 +41,7 @@ from jaxkv.cache import (
     _layer_index,
     _raise_on_flags,
 )
-from jaxkv.sliding import LayerView
+from jaxkv.caches.views import LayerView
 
 Array = jax.Array
 
@@ -198,7 +197,7 @@ class EncoderDecoderCache:
                 f"{who}: the self-attention cache has {len(self_attention)} layers, the cross-attention "
                 f"cache {len(cross_attention)}; a decoder layer needs one of each."
             )
-        batch = _batch_size(self_attention)
+        batch = self_attention.batch_size
         if batch is not None and batch != cross_attention.batch_size:
             raise ValueError(
                 f"{who}: the self-attention cache has batch={batch}, the cross-attention cache "
@@ -232,10 +231,14 @@ class EncoderDecoderCache:
         own = getattr(self.self_attention, "flags", None)
         return self.cross_attention.flags if own is None else own | self.cross_attention.flags
 
+    @property
+    def overflowed(self) -> Array:
+        """bool[B]: rows whose self-attention part lost a token to overflow."""
+        return (self.flags & OVERFLOW) != 0
+
     def check(self) -> EncoderDecoderCache:
         """Raises ``CacheError`` if either part has a flag set."""
-        if hasattr(self.self_attention, "check"):
-            self.self_attention.check()
+        self.self_attention.check()
         _raise_on_flags(self.cross_attention.flags, "EncoderDecoderCache (cross-attention)", "", "got an out-of-range index")
         return self
 
@@ -243,9 +246,7 @@ class EncoderDecoderCache:
 
     def seq_lengths(self, layer_idx: Any = 0) -> Array:
         """int32[B]: decoder tokens cached per row in ``layer_idx``."""
-        if isinstance(self.self_attention, DynamicCache):
-            return jnp.full((self.batch_size,), self.self_attention.get_seq_length(layer_idx), jnp.int32)
-        return self.self_attention.seq_lengths(layer_idx)
+        return self.positions(1, layer_idx)[:, 0]
 
     def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
         return self.self_attention.get_seq_length(layer_idx)
@@ -257,11 +258,9 @@ class EncoderDecoderCache:
         """int32[B]: real encoder tokens per row."""
         return self.cross_attention.lengths
 
-    def positions(self, num_tokens: int, layer_idx: Any = 0) -> Array:
+    def positions(self, num_tokens: int, layer_idx: Any = 0, *, batch_size: int | None = None) -> Array:
         """int32[B, T]: the decoder positions of the next ``num_tokens`` tokens."""
-        if isinstance(self.self_attention, DynamicCache):
-            return token_positions(self.self_attention, self.batch_size, num_tokens)
-        return self.self_attention.positions(num_tokens, layer_idx)
+        return self.self_attention.positions(num_tokens, layer_idx, batch_size=self.batch_size)
 
     # ---- ops
 
@@ -275,23 +274,27 @@ class EncoderDecoderCache:
     def update_view(
         self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
     ) -> tuple[EncoderDecoderCache, LayerView]:
-        """Writes decoder self-attention states; returns the cache and the self-attention
-        :class:`~jaxkv.sliding.LayerView` (use :meth:`cross_view` for cross-attention)."""
-        own = self.self_attention
-        if hasattr(own, "update_view"):
-            own, view = own.update_view(key_states, value_states, layer_idx, num_new=num_new)
-        elif isinstance(own, DynamicCache):
-            if num_new is not None:
-                raise ValueError(
-                    "EncoderDecoderCache.update: num_new needs per-row lengths, which a DynamicCache "
-                    "self-attention part does not track; use a StaticCache."
-                )
-            own, keys, values = own.update(key_states, value_states, layer_idx)
-            view = LayerView(keys, values, None, jnp.full((keys.shape[0],), keys.shape[2], jnp.int32), None)
-        else:
-            own, keys, values = own.update(key_states, value_states, layer_idx, num_new=num_new)
-            view = LayerView(keys, values, None, own.seq_lengths(layer_idx), None)
+        """Writes decoder self-attention states; returns the cache and the dense
+        self-attention :class:`~jaxkv.caches.views.LayerView` (:meth:`cross_view` for
+        cross-attention)."""
+        cache, view = self.write(key_states, value_states, layer_idx, num_new=num_new)
+        return cache, view.dense()
+
+    def write(
+        self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
+    ) -> tuple[EncoderDecoderCache, Any]:
+        """Writes decoder self-attention states; returns the cache and the self part's view
+        (what attention reads; a StaticCache self part is read blockwise).
+
+        Raises:
+          ValueError: ``num_new`` with a DynamicCache self part, or any error of its write.
+        """
+        own, view = self.self_attention.write(key_states, value_states, layer_idx, num_new=num_new)
         return dataclasses.replace(self, self_attention=own), view
+
+    def view(self, layer_idx: Any) -> Any:
+        """The self-attention layer as it is now, as attention reads it (no write)."""
+        return self.self_attention.view(layer_idx)
 
     def cross_view(self, layer_idx: Any) -> LayerView:
         """The cross-attention :class:`~jaxkv.sliding.LayerView` of ``layer_idx``:
@@ -361,18 +364,7 @@ class EncoderDecoderCache:
                 self.self_attention.reset(), self.cross_attention._reset(jnp.ones((self.batch_size,), bool))
             )
         rows = _check_reset_rows(rows, self.batch_size, "EncoderDecoderCache.reset")
-        if isinstance(self.self_attention, DynamicCache):
-            raise TypeError(
-                "EncoderDecoderCache.reset: a DynamicCache self-attention part cannot reset single rows "
-                "(its rows share one length); use a StaticCache."
-            )
         return EncoderDecoderCache(self.self_attention.reset(rows), self.cross_attention._reset(rows))
-
-
-def _batch_size(cache: Any) -> int | None:
-    if isinstance(cache, DynamicCache):
-        return cache._batch_size()
-    return cache.batch_size
 
 
 register_dataclass(CrossAttentionCache, data_fields=["keys", "values", "lengths", "flags"], meta_fields=[])

@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _kernels
 
-__all__ = ["blockwise_attend"]
+__all__ = ["blockwise_attend", "quantized_blockwise_attend"]
 
 
 def blockwise_attend(
@@ -294,8 +294,25 @@ def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window,
 
 def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size):
     """The blockwise loop in XLA ops (any platform, any dtype, differentiable forward)."""
+    _, batch, num_kv_heads, num_slots, head_dim = keys.shape
+
+    def read_block(offset, size):
+        start_idx = (layer, 0, 0, offset, 0)
+        shape = (1, batch, num_kv_heads, size, head_dim)
+        return jax.lax.dynamic_slice(keys, start_idx, shape)[0], jax.lax.dynamic_slice(values, start_idx, shape)[0]
+
+    return _blockwise_loop(
+        queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, sliding_window=sliding_window,
+        logit_softcap=logit_softcap, scale=scale, block_size=block_size,
+    )
+
+
+def _blockwise_loop(
+    queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size
+):
+    """The online-softmax loop over blocks of slots; ``read_block(offset, size)`` returns the
+    block's keys and values ``[B, H, size, D]`` (sliced from a buffer, or dequantized)."""
     batch, num_q_heads, num_tokens, head_dim = queries.shape
-    _, _, num_kv_heads, num_slots, _ = keys.shape
     groups = num_q_heads // num_kv_heads
     block = min(block_size, num_slots)
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
@@ -322,10 +339,7 @@ def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, lo
         # The last block may run past S: slice the final `size` slots instead (a clamped
         # read is harmless here) and mask out the slots an earlier block already covered.
         offset = jnp.minimum(first, num_slots - size) if clamp else first
-        start_idx = (layer, 0, 0, offset, 0)
-        size = (1, batch, num_kv_heads, size, head_dim)
-        k_blk = jax.lax.dynamic_slice(keys, start_idx, size)[0]  # [B, H, blk, D]
-        v_blk = jax.lax.dynamic_slice(values, start_idx, size)[0]
+        k_blk, v_blk = read_block(offset, size)  # [B, H, blk, D]
         # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
         # of the product, which XLA:CPU runs several times faster than the transposed form.
         logits = jnp.einsum("bhsd,bhgtd->bhsgt", k_blk, q, preferred_element_type=jnp.float32) * scale
@@ -401,3 +415,71 @@ def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, lo
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     out = jnp.where(jnp.all(jnp.isfinite(out), axis=-1, keepdims=True), out, jnp.nan)
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
+
+
+def quantized_blockwise_attend(
+    queries: jax.Array,  # [B, Hq, T, D]
+    view,  # jaxkv.caches.QuantizedView
+    *,
+    q_positions: jax.Array,  # [B, T] int
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    block_size: int | None = None,
+) -> jax.Array:  # [B, Hq, T, D]
+    """:func:`blockwise_attend` over a quantized layer, dequantizing block by block.
+
+    Each block of int8/int4 codes and its scales is sliced from the stacked buffers and
+    dequantized inside the loop (the whole layer is never materialised), and the tokens
+    the view's full-precision residual holds replace their quantized copies in the block.
+    Cost scales with tokens stored, like the contiguous path; the XLA loop only (the CPU
+    kernel reads float buffers). Same contract, shapes and errors as
+    :func:`blockwise_attend`.
+    """
+    from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
+    if queries.ndim != 4 or kv_batch != batch or num_q_heads % num_kv_heads or view.residual_keys.shape[-1] != head_dim:
+        raise ValueError(
+            f"quantized_blockwise_attend: queries {queries.shape} do not fit the quantized layer "
+            f"{view.keys.shape} (same batch and head_dim; query heads a multiple of kv heads)."
+        )
+    if q_positions.shape != (batch, num_tokens):
+        raise ValueError(f"quantized_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"quantized_blockwise_attend: sliding_window must be a positive int, got {sliding_window!r}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"quantized_blockwise_attend: logit_softcap must be positive or None, got {logit_softcap!r}.")
+    if block_size is None:
+        block_size = 512 if num_tokens <= 16 else 128
+    layer = jnp.asarray(view.layer, jnp.int32)
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    residual_used = view.residual_used()  # [B, R]
+
+    def read_block(offset, size):
+        codes_at, scales_at = (layer, 0, 0, offset, 0), (layer, 0, 0, offset)
+        codes_shape, scales_shape = (1, batch, num_kv_heads, size, stored), (1, batch, num_kv_heads, size)
+        blocks = []
+        for codes, scales, exact in (
+            (view.keys, view.key_scales, view.residual_keys),
+            (view.values, view.value_scales, view.residual_values),
+        ):
+            block = dequantize(
+                jax.lax.dynamic_slice(codes, codes_at, codes_shape)[0],
+                jax.lax.dynamic_slice(scales, scales_at, scales_shape)[0],
+                view.bits,
+                view.dtype,
+            )
+            if exact.shape[2]:  # the residual's exact copies win over the quantized ones
+                local = view.residual_positions - offset
+                slot = jnp.where(residual_used & (local >= 0) & (local < size), local, size)  # `size`: dropped
+                block = block.at[rows, :, slot].set(exact.transpose(0, 2, 1, 3).astype(block.dtype), mode="drop")
+            blocks.append(block)
+        return tuple(blocks)
+
+    return _blockwise_loop(
+        queries, read_block, num_slots, num_kv_heads, q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32),
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+        scale=head_dim**-0.5 if scale is None else scale, block_size=block_size,
+    )

@@ -1,0 +1,270 @@
+"""Input checks and flag rules shared by every cache kind (one implementation each)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+#: Flag bit: a write fell past ``max_length`` and was dropped.
+OVERFLOW = 1
+#: Flag bit: a traced row/layer index or ``num_new`` was out of range.
+INVALID = 2
+
+
+class CacheError(ValueError):
+    """Raised on the host by ``StaticCache.check`` when a traced operation set a flag."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_traced(*xs: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _static_int(x: Any) -> int | None:
+    """Returns ``x`` as a Python int when it is a concrete integer scalar, else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (np.ndarray, jax.Array)) and not _is_traced(x):
+        if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer):
+            return int(x)
+    return None
+
+
+def _flag(condition: Array, bit: int) -> Array:
+    # Explicit int32 operands: a weak-typed int64 under jax_enable_x64 OR-ed into an int32
+    # array crashes jaxlib 0.10.2 on CPU (segfault), and flags must stay int32 anyway.
+    return jnp.where(condition, jnp.int32(bit), jnp.int32(0))
+
+
+def _check_states(key_states: Any, value_states: Any, who: str) -> tuple[Array, Array]:
+    key_states = jnp.asarray(key_states)
+    value_states = jnp.asarray(value_states)
+    for name, x in (("key_states", key_states), ("value_states", value_states)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{who}: {name} must have rank 4 [batch, kv_heads, new_tokens, head_dim], "
+                f"got shape {x.shape}. Transpose or reshape your states to that layout."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{who}: {name} has dtype {x.dtype}, which a key/value cache cannot store; "
+                "expected a floating dtype (float32, bfloat16, float16). Cast the states "
+                "with .astype(...) first."
+            )
+    if key_states.shape != value_states.shape:
+        raise ValueError(
+            f"{who}: key_states and value_states must have the same shape, got "
+            f"{key_states.shape} and {value_states.shape}."
+        )
+    return key_states, value_states
+
+
+def _check_layout(states: Array, expected: tuple[int, int, int], who: str) -> None:
+    batch, heads, head_dim = expected
+    got = (states.shape[0], states.shape[1], states.shape[3])
+    for name, e, g in zip(("batch", "kv_heads", "head_dim"), expected, got):
+        if e != g:
+            raise ValueError(
+                f"{who}: states have {name}={g} but the cache holds {name}={e} "
+                f"(states shape {states.shape}, expected [{batch}, {heads}, T, {head_dim}])."
+            )
+
+
+def _check_row_indices(indices: Any, batch: int, who: str) -> Array:
+    indices = jnp.asarray(indices)
+    if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(
+            f"{who}: indices must be a 1-D integer array of batch rows, got shape "
+            f"{indices.shape} and dtype {indices.dtype}."
+        )
+    if not _is_traced(indices):
+        host = np.asarray(indices)
+        bad = (host < 0) | (host >= batch)
+        if bad.any():
+            raise ValueError(
+                f"{who}: row index {int(host[bad][0])} (position {int(np.argmax(bad))}) is out "
+                f"of range for a cache with batch size {batch}; valid rows are 0..{batch - 1}."
+            )
+    return indices.astype(jnp.int32)
+
+
+def _check_repeats(repeats: Any, who: str) -> int:
+    r = _static_int(repeats)
+    if r is None:
+        raise TypeError(
+            f"{who}: repeats must be a Python int (it sets the new batch size, which is a "
+            f"static shape), got {type(repeats).__name__}."
+        )
+    if r < 1:
+        raise ValueError(f"{who}: repeats must be >= 1, got {r}.")
+    return r
+
+
+# Shared by every per-row cache kind (StaticCache here; the ring, quantized and hybrid
+# caches import them): one implementation of each check and rule.
+
+
+def _layer_index(layer_idx: Any, num_layers: int, who: str, *, allow_traced: bool = True) -> Any:
+    """A static int in range, or (``allow_traced``) a traced int32 scalar."""
+    i = _static_int(layer_idx)
+    if i is not None:
+        if not 0 <= i < num_layers:
+            raise ValueError(
+                f"{who}: layer_idx {i} is out of range for a cache with {num_layers} layers; "
+                f"valid indices are 0..{num_layers - 1}."
+            )
+        return i
+    if (
+        allow_traced
+        and isinstance(layer_idx, jax.Array)
+        and layer_idx.ndim == 0
+        and jnp.issubdtype(layer_idx.dtype, jnp.integer)
+    ):
+        return layer_idx.astype(jnp.int32)
+    raise TypeError(
+        f"{who}: layer_idx must be an int{' or a traced int32 scalar' if allow_traced else ''}, "
+        f"got {layer_idx!r}."
+    )
+
+
+def _write_target(layer: Any, num_layers: int) -> tuple[Any, Any, Any]:
+    """``(layer_ok, read_layer, write_layer)``; a bad traced layer writes out of bounds."""
+    if isinstance(layer, int):
+        return True, layer, layer
+    ok = (layer >= 0) & (layer < num_layers)
+    return ok, jnp.where(ok, layer, 0), jnp.where(ok, layer, num_layers)
+
+
+def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Array, Array]:
+    """``(count int32[B], invalid bool[B])`` for ``num_new`` (default: all T tokens)."""
+    if num_new is None:
+        return jnp.full((batch,), new_tokens, jnp.int32), jnp.zeros((batch,), bool)
+    count = jnp.asarray(num_new)
+    if count.ndim == 0:
+        count = jnp.broadcast_to(count, (batch,))
+    if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
+            f"got shape {count.shape} and dtype {count.dtype}."
+        )
+    count = count.astype(jnp.int32)
+    if not _is_traced(count):
+        host = np.asarray(count)
+        bad = (host < 0) | (host > new_tokens)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(
+                f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
+                f"(the states carry {new_tokens} new tokens)."
+            )
+    invalid = (count < 0) | (count > new_tokens)
+    return jnp.where(invalid, 0, count), invalid
+
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
+    """int32[B]: ``max_length`` per row, clamped to the int32 range (never wrapped).
+
+    The meaning (shared by every kind, see ``crop_lengths``): > 0 keep at most that many,
+    < 0 drop that many off the end, 0 drop nothing.
+    """
+    if isinstance(max_length, bool):
+        raise TypeError(f"{who}: max_length must be an int or an int array [{batch}], got a bool.")
+    if isinstance(max_length, int):  # a Python int of any size: clamp on the host
+        max_length = np.int64(max(-_INT32_MAX, min(_INT32_MAX, max_length)))
+    m = max_length if isinstance(max_length, jax.Array) else np.asarray(max_length)
+    if not jnp.issubdtype(m.dtype, jnp.integer) or m.ndim not in (0, 1):
+        raise TypeError(
+            f"{who}: max_length must be an int or an int array [{batch}], "
+            f"got shape {m.shape} and dtype {m.dtype}."
+        )
+    if m.ndim == 1 and m.shape[0] != batch:
+        raise ValueError(f"{who}: per-row max_length needs {batch} entries, got {m.shape[0]}.")
+    if isinstance(m, np.ndarray):
+        m = np.clip(m.astype(np.int64), -_INT32_MAX, _INT32_MAX)
+    else:  # a wide traced/device integer: clamp before narrowing (astype would wrap)
+        if jnp.iinfo(m.dtype).bits > 32 or jnp.dtype(m.dtype) == jnp.uint32:
+            m = jnp.clip(m, -_INT32_MAX if jnp.issubdtype(m.dtype, jnp.signedinteger) else 0, _INT32_MAX)
+    return jnp.broadcast_to(jnp.asarray(m).astype(jnp.int32), (batch,))
+
+
+def crop_lengths(lengths: Array, amounts: Array) -> Array:
+    """New lengths after ``crop``: ``lengths`` [..., B], ``amounts`` int32[B].
+
+    One rule for every kind (that of transformers' ``crop``, plus its legacy positive form):
+    a positive amount keeps at most that many tokens, a negative one drops that many off
+    the end of each layer's own length (floored at 0), and 0 drops nothing — so the
+    speculative idiom ``crop(-num_rejected)`` leaves rows with nothing rejected alone.
+    Empty a cache with ``reset``.
+    """
+    a = jnp.broadcast_to(amounts, lengths.shape)
+    return jnp.where(a > 0, jnp.minimum(lengths, a), jnp.where(a < 0, jnp.maximum(lengths + a, 0), lengths))
+
+
+def _check_reset_rows(rows: Any, batch: int, who: str) -> Array:
+    rows = jnp.asarray(rows)
+    if rows.shape != (batch,) or rows.dtype != jnp.bool_:
+        raise TypeError(
+            f"{who}: rows must be a bool array of shape [{batch}], got shape {rows.shape} "
+            f"and dtype {rows.dtype}."
+        )
+    return rows
+
+
+def _check_beam_idx(beam_idx: Any, batch: int, who: str) -> Array:
+    idx = _check_row_indices(beam_idx, batch, who)
+    if idx.shape[0] != batch:
+        raise ValueError(
+            f"{who}: beam_idx must have one entry per row ({batch}), got {idx.shape[0]}. "
+            "To change the batch size use batch_select_indices."
+        )
+    return idx
+
+
+def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str) -> None:
+    """Turns set flag bits into a ``CacheError`` naming the rows.
+
+    ``flags`` is int32[B], or [..., B] for a stack of caches (``vmap``): rows are then
+    named by their full index.
+    """
+    flags = np.asarray(flags)
+    if not flags.any():
+        return
+
+    def rows(bit: int) -> list:
+        where = np.argwhere((flags & bit) != 0)
+        return [int(i[0]) if flags.ndim == 1 else tuple(int(j) for j in i) for i in where]
+
+    what = []
+    over, bad = rows(OVERFLOW), rows(INVALID)
+    if over:
+        what.append(f"rows {over} {overflow}")
+    if bad:
+        what.append(f"rows {bad} {invalid}")
+    raise CacheError(f"{who}: " + "; ".join(what) + ". reset() clears the flags.")
+
+
+def _check_sizes(who: str, **sizes: Any) -> None:
+    for name, value in sizes.items():
+        if _static_int(value) is None or value < 1:
+            raise ValueError(f"{who}: {name} must be an int >= 1, got {value!r}.")
+
+
+def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{who}: dtype must be floating (float32, bfloat16, float16), got {dtype}.")
+    return dtype
+
+

@@ -1,0 +1,544 @@
+"""The one cache container: lengths, flags, policy and row operations, written once.
+
+A :class:`KVCache` holds one or more *storages* (one per memory layout: contiguous,
+ring, quantized; see ``jaxkv/caches/*.py``) and everything that does not depend on the
+layout:
+
+* ``lengths: int32[L, B]``: tokens each layer of each row has seen; the next token's
+  position. Positions are the source of truth; masks derive from them.
+* ``flags: int32[B]``: sticky error bits (``OVERFLOW``, ``INVALID``), cleared by ``reset``.
+* the overflow policy, input validation, ``crop``, the row operations (``reorder_cache``,
+  ``batch_select_indices``, ``batch_repeat_interleave``, ``reset(rows)``, ``put_rows``),
+  ``check``, ``positions`` and the sharding constraint.
+
+Layer ``i`` lives in storage ``groups[i]`` as that storage's layer number (count of earlier
+layers of the same storage). With one storage the layer index may be traced (a
+``lax.scan`` over layers); with several (``HybridCache``) it must be a Python int.
+
+A storage is a frozen, registered dataclass whose array leaves all have the layer axis
+first and the batch axis second (``[L_g, B, ...]``); that is what lets every row op here
+be one ``tree_map``. It implements:
+
+* ``capacity``: slots per row, or None when it never runs out (a ring);
+* ``write(read_layer, write_layer, layer_ok, keys, values, old, count)`` ->
+  ``(storage, view or None)``: store ``count[b]`` of the T new tokens of row ``b`` at
+  positions ``old[b] + t``, dropping (never clamping) anything at or past ``capacity``;
+  ``write_layer`` is out of bounds when ``layer_ok`` is false (the write is dropped).
+  It returns a view when attention must see something other than the storage after the
+  write (a ring overwritten by a long chunk), else None;
+* ``view(layer, lengths)`` -> a view of :mod:`jaxkv.caches.views`;
+* ``crop(old, new)`` -> ``(storage, lost bool[L_g, B])`` and ``reset_rows(rows)`` for
+  layout state beyond the lengths (a ring's first held position, a residual's positions);
+* ``LEAF_AXES``: per field, the logical axes of its leaf, for sharding.
+
+Overflow and bad-index policy (never silent):
+
+* Eagerly (concrete inputs), a write past capacity, an out-of-range row or layer index or
+  an invalid ``num_new`` raises ``ValueError`` naming the layer, row and lengths.
+* Under ``jax.jit`` / ``vmap`` / ``scan`` nothing can raise. Writes past capacity are
+  dropped (a scatter with ``mode="drop"``; never ``dynamic_update_slice``, which clamps the
+  start index and would overwrite the last valid slot), the length stops at capacity, and
+  the row gets ``OVERFLOW``. A traced row index out of range empties that row and sets
+  ``INVALID``; a traced layer index out of range writes nothing and sets ``INVALID`` on
+  every row. Read them with ``cache.overflowed`` / ``cache.flags``, or ``cache.check()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.tree_util import register_dataclass
+
+from jaxkv.caches._checks import (
+    INVALID,
+    OVERFLOW,
+    _check_beam_idx,
+    _check_layout,
+    _check_repeats,
+    _check_reset_rows,
+    _check_row_indices,
+    _check_states,
+    _crop_amounts,
+    _flag,
+    _is_traced,
+    _layer_index,
+    _new_counts,
+    _raise_on_flags,
+    _static_int,
+    _write_target,
+    crop_lengths,
+)
+
+Array = jax.Array
+
+__all__ = ["KVCache", "check_cache", "storage_field"]
+
+# Logical axes of a storage leaf; "batch", "heads", "seq" and "dim" take the mesh axes of
+# the user's one-layer [B, H, S, D] sharding spec, anything else is replicated.
+_SPEC_AXES = ("batch", "heads", "seq", "dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys/values in one or more storages, with per-row lengths and flags.
+
+    Build one through a kind's constructor (``StaticCache.init``,
+    ``SlidingWindowCache.init``, ``QuantizedCache.init``, ``HybridCache.init``); they all
+    share this class's methods, the HF-style vocabulary with every op returning a new cache.
+
+    Attributes:
+      stores: the storages, one per layout (see the module docstring).
+      lengths: int32[L, B] tokens seen per layer and row.
+      flags: int32[B] sticky error bits (``OVERFLOW``, ``INVALID``).
+      groups: static, the storage of each layer.
+      sharding: static ``NamedSharding`` of one layer's ``[B, H, S, D]`` buffer given at
+        ``init`` (or None). Every op constrains its outputs to it, so the layout survives
+        gathers and repeats, eagerly and under jit. A row op whose new batch size the data
+        axis does not divide falls back to replicating rows.
+    """
+
+    stores: tuple[Any, ...]
+    lengths: Array
+    flags: Array
+    groups: tuple[int, ...]  # static
+    sharding: NamedSharding | None = None  # static
+
+    _data_fields: ClassVar[tuple[str, ...]] = ("stores", "lengths", "flags")
+    _meta_fields: ClassVar[tuple[str, ...]] = ("groups", "sharding")
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        # A kind is this container under its own name: register it as the same pytree.
+        register_dataclass(cls, data_fields=list(cls._data_fields), meta_fields=list(cls._meta_fields))
+
+    # ---- construction (for the kinds' constructors)
+
+    @classmethod
+    def _allocate(cls, make_stores, *, num_layers: int, batch_size: int, groups: tuple[int, ...], sharding: Any):
+        """Builds an empty cache; with a sharding, creates every buffer in its shards."""
+
+        def make():
+            return cls(
+                stores=tuple(make_stores()),
+                lengths=jnp.zeros((num_layers, batch_size), jnp.int32),
+                flags=jnp.zeros((batch_size,), jnp.int32),
+                groups=tuple(groups),
+            )
+
+        if sharding is None:
+            return make()
+        spec = _one_layer_spec(sharding, cls.__name__)
+        shape = jax.eval_shape(make)
+        out = jax.jit(make, out_shardings=_tree_shardings(shape, sharding.mesh, spec))()
+        return dataclasses.replace(out, sharding=sharding)
+
+    # ---- shape facts (static)
+
+    @property
+    def num_layers(self) -> int:
+        return self.lengths.shape[-2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[-1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.stores[0].num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.stores[0].head_dim
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype attention reads (a quantized storage's model dtype)."""
+        return self.stores[0].dtype
+
+    @property
+    def overflowed(self) -> Array:
+        """bool[B]: rows that lost a token to a write past capacity (sticky until reset)."""
+        return (self.flags & OVERFLOW) != 0
+
+    def get_max_length(self) -> int | None:
+        """The capacity of the bounded layers (None when every layer is a ring)."""
+        caps = [s.capacity for s in self.stores if s.capacity is not None]
+        return min(caps) if caps else None
+
+    # ---- sequence protocol
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __getitem__(self, layer_idx: int) -> tuple[Array, Array]:
+        """The layer as the HF vocabulary reads it: ``(keys, values)`` [B, H, S, D]
+        (a ring in slot order; a quantized layer dequantized)."""
+        store, local, layer = self._locate(layer_idx, f"{self._name}.__getitem__", allow_traced=False)
+        view = self.stores[store].view(local, self.lengths[layer]).dense()
+        return view.keys, view.values
+
+    def __iter__(self) -> Iterator[tuple[Array, Array]]:
+        for i in range(self.num_layers):
+            yield self[i]
+
+    # ---- queries
+
+    def seq_lengths(self, layer_idx: Any = 0) -> Array:
+        """int32[B]: tokens seen per row by ``layer_idx``."""
+        return self.lengths[_layer_index(layer_idx, self.num_layers, f"{self._name}.seq_lengths")]
+
+    def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
+        """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
+        longest = jnp.max(self.seq_lengths(layer_idx))
+        return longest if _is_traced(longest) else int(longest)
+
+    def positions(self, num_tokens: int, layer_idx: Any = 0, *, batch_size: int | None = None) -> Array:
+        """int32[B, T]: the absolute positions the next ``num_tokens`` tokens will take.
+
+        Call it before the forward pass (it reads the current lengths); RoPE and causal
+        masks take their positions from here. (``batch_size`` is for caches that may have
+        no rows yet, a ``DynamicCache``; here the rows are known.)
+        """
+        del batch_size
+        return self.seq_lengths(layer_idx)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+    def view(self, layer_idx: Any) -> Any:
+        """The layer as it is now, as attention reads it (no write): a view of
+        :mod:`jaxkv.caches.views`; pass it to :func:`jaxkv.attention.attend_view`."""
+        store, local, layer = self._locate(layer_idx, f"{self._name}.view")
+        return self.stores[store].view(local, self.lengths[layer])
+
+    def kv_positions(self, layer_idx: Any = 0) -> Array:
+        """int32[B, S]: the absolute position held by each slot of the layer
+        (``NO_POSITION`` where none)."""
+        return self.view(layer_idx).slot_positions()
+
+    def check(self) -> KVCache:
+        """Raises ``CacheError`` on the host if any flag is set; returns ``self`` otherwise."""
+        cap = self.get_max_length()
+        _raise_on_flags(
+            self.flags,
+            self._name,
+            f"overflowed max_length={cap} (tokens past capacity were dropped; allocate a larger "
+            "max_length or crop before writing)",
+            "got an out-of-range index or num_new, or a crop that needed evicted tokens",
+        )
+        return self
+
+    # ---- writes
+
+    def write(
+        self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
+    ) -> tuple[KVCache, Any]:
+        """Writes new tokens of one layer; returns ``(new_cache, view)`` for attention.
+
+        The view says the layer's layout (:mod:`jaxkv.caches.views`);
+        :func:`jaxkv.attention.attend_view` reads it without materialising the layer.
+        Arguments and errors are those of :meth:`update`.
+        """
+        who = f"{self._name}.update"
+        key_states, value_states = _check_states(key_states, value_states, who)
+        _check_layout(key_states, (self.batch_size, self.num_kv_heads, self.head_dim), who)
+        store_i, local, layer = self._locate(layer_idx, who)
+        store = self.stores[store_i]
+        batch, new_tokens = self.batch_size, key_states.shape[2]
+        count, invalid_row = _new_counts(num_new, batch, new_tokens, who)
+        layer_ok, read_layer, write_layer = _write_target(layer, self.num_layers)
+        _, read_local, write_local = _write_target(local, store.num_layers)
+        old = self.lengths[read_layer]  # [B]
+        capacity = store.capacity
+        if capacity is not None and not _is_traced(old, count, layer):
+            total = np.asarray(old) + np.asarray(count)
+            over = total > capacity
+            if over.any():
+                row = int(np.argmax(over))
+                raise ValueError(
+                    f"{who}: overflow in layer {int(layer)}, row {row}: it holds "
+                    f"{int(np.asarray(old)[row])} tokens and {int(np.asarray(count)[row])} new "
+                    f"would make {int(total[row])} > max_length={capacity}. Allocate a larger "
+                    "max_length, or crop the row first."
+                )
+        count = jnp.where(layer_ok, count, 0)
+        new_store, view = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count)
+        new_len = old + count
+        flags = self.flags | _flag(invalid_row | jnp.logical_not(layer_ok), INVALID)
+        if capacity is not None:
+            flags = flags | _flag(new_len > capacity, OVERFLOW)
+            new_len = jnp.minimum(new_len, capacity)
+        stores = self.stores[:store_i] + (new_store,) + self.stores[store_i + 1:]
+        new = dataclasses.replace(
+            self, stores=stores, lengths=self.lengths.at[write_layer].set(new_len, mode="drop"), flags=flags
+        )._constrained()
+        if view is None:
+            view = new.stores[store_i].view(read_local, new_len)
+        return new, view
+
+    def update(
+        self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
+    ) -> tuple[KVCache, Array, Array]:
+        """Writes new tokens of one layer, each row at its own position.
+
+        Args:
+          key_states: [B, H, T, D] new keys (any floating dtype; cast to the cache dtype).
+          value_states: [B, H, T, D] new values.
+          layer_idx: int in ``[0, L)``, or a traced int32 scalar (``lax.scan`` over layers)
+            when the cache has one storage.
+          num_new: optional int32[B]: how many of the T tokens are valid in each row (the
+            first ``num_new[b]``); the rest are not stored. Defaults to T for every row.
+
+        Returns:
+          ``(new_cache, keys [B, H, S, D], values [B, H, S, D])``: the layer after the write
+          as the kind lays it out (see :meth:`update_view` for positions). For a contiguous
+          layer, row ``b`` is valid in slots ``< new_cache.seq_lengths(layer_idx)[b]``.
+
+        Raises:
+          ValueError: wrong rank/shape, an out-of-range static layer index, a concrete
+            ``num_new`` outside ``[0, T]``, or (eagerly) a write past capacity — the
+            message names the layer, row and lengths. Under jit see the module policy.
+          TypeError: non-floating states, a non-integer ``num_new``, a traced layer index
+            with several storages.
+        """
+        cache, view = self.update_view(key_states, value_states, layer_idx, num_new=num_new)
+        return cache, view.keys, view.values
+
+    def update_view(
+        self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
+    ) -> tuple[KVCache, Any]:
+        """:meth:`update`, returning a dense :class:`~jaxkv.caches.views.LayerView`
+        (keys, values, each slot's position, lengths, the layer's window)."""
+        cache, view = self.write(key_states, value_states, layer_idx, num_new=num_new)
+        return cache, view.dense()
+
+    # ---- length ops
+
+    def crop(self, max_length: Any) -> KVCache:
+        """Rolls rows back, in every layer; moves no data.
+
+        Args:
+          max_length: an int, or int[B] per row (speculative rollback). A positive entry
+            keeps at most that many tokens; a negative one drops that many off the end of
+            each layer's own length (floored at 0); 0 drops nothing (``crop(-n)`` with
+            ``n == 0`` is a no-op, as in transformers). At or above a row's length: no-op.
+            Values beyond the int32 range are clamped, never wrapped. Empty rows with
+            ``reset``.
+
+        The cropped slots stay in the buffer past the length, so a later update
+        overwrites them: crop then update equals never having stored the cropped tokens.
+
+        Raises:
+          ValueError: (eagerly) a ring layer would need positions it already evicted; under
+            jit the row is cropped anyway and flagged ``INVALID``.
+          TypeError: a non-integer ``max_length``.
+        """
+        who = f"{self._name}.crop"
+        amounts = _crop_amounts(max_length, self.batch_size, who)
+        new_lengths = crop_lengths(self.lengths, amounts)
+        stores, lost_any = [], jnp.zeros((self.batch_size,), bool)
+        for i, store in enumerate(self.stores):
+            layers = self._layers_of(i)
+            store, lost = store.crop(self.lengths[layers], new_lengths[layers], who=who, layers=layers)
+            stores.append(store)
+            lost_any = lost_any | jnp.any(lost, axis=0)
+        return dataclasses.replace(
+            self, stores=tuple(stores), lengths=new_lengths, flags=self.flags | _flag(lost_any, INVALID)
+        )._constrained()
+
+    def reset(self, rows: Any = None) -> KVCache:
+        """Empties the cache (or only the rows where ``rows`` (bool[B]) is true).
+
+        Lengths and flags go to zero; the buffers are not touched (no data moves): their
+        stale contents sit past the length, where attention masks them.
+        """
+        if rows is None:
+            rows = jnp.ones((self.batch_size,), bool)
+        rows = _check_reset_rows(rows, self.batch_size, f"{self._name}.reset")
+        return self._emptied(rows, jnp.int32(0))._constrained()
+
+    # ---- row ops
+
+    def reorder_cache(self, beam_idx: Any) -> KVCache:
+        """Gathers rows by ``beam_idx`` (int[B]) for beam search; same batch size."""
+        return self._gather_rows(_check_beam_idx(beam_idx, self.batch_size, f"{self._name}.reorder_cache"))
+
+    def batch_select_indices(self, indices: Any) -> KVCache:
+        """Keeps only the rows in ``indices`` (int[N]), in that order."""
+        return self._gather_rows(_check_row_indices(indices, self.batch_size, f"{self._name}.batch_select_indices"))
+
+    def batch_repeat_interleave(self, repeats: int) -> KVCache:
+        """Repeats every row ``repeats`` times, interleaved: rows a, b -> a, a, b, b."""
+        r = _check_repeats(repeats, f"{self._name}.batch_repeat_interleave")
+        n = self.batch_size * r
+        return self._map_rows(lambda x, axis: jnp.repeat(x, r, axis=axis, total_repeat_length=n))._constrained()
+
+    def put_rows(self, rows: Any, other: KVCache) -> KVCache:
+        """Writes the rows of ``other`` (batch N) into rows ``rows`` (int[N]) of this cache.
+
+        The serving loop's admission: prefill new requests in a small cache, then place
+        them. ``other`` must be the same kind with the same layer layout and sizes.
+
+        Raises:
+          ValueError / TypeError: another structure, or an out-of-range row (eagerly).
+        """
+        who = f"{self._name}.put_rows"
+        if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
+            raise TypeError(f"{who}: the other cache has another kind or layer layout ({type(other).__name__}).")
+        idx = _check_row_indices(rows, self.batch_size, who)
+        if idx.shape[0] != other.batch_size:
+            raise ValueError(f"{who}: {idx.shape[0]} rows given for a cache of {other.batch_size} rows.")
+
+        def put(x, part, axis):
+            return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")
+
+        stores = tuple(
+            jax.tree.map(lambda x, y: put(x, y, 1), mine, theirs) for mine, theirs in zip(self.stores, other.stores)
+        )
+        return dataclasses.replace(
+            self, stores=stores, lengths=put(self.lengths, other.lengths, 1), flags=put(self.flags, other.flags, 0)
+        )._constrained()
+
+    # ---- serialisation
+
+    def __reduce__(self):
+        # A sharded cache's static NamedSharding holds a Mesh of live devices, which cannot
+        # be pickled: store host arrays and the mesh by axis names, shape and device ids,
+        # and rebuild it (same devices) on load.
+        leaves, treedef = jax.tree.flatten(dataclasses.replace(self, sharding=None))
+        mesh = None
+        if self.sharding is not None:
+            m = self.sharding.mesh
+            mesh = (tuple(m.axis_names), np.vectorize(lambda d: d.id)(m.devices), tuple(self.sharding.spec))
+        return _restore, (treedef, [np.asarray(x) for x in leaves], mesh)
+
+    # ---- internals
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _locate(self, layer_idx: Any, who: str, *, allow_traced: bool = True) -> tuple[int, Any, Any]:
+        """``(storage, layer within it, layer)`` for a layer index."""
+        single = len(self.stores) == 1
+        if allow_traced and not single and _static_int(layer_idx) is None:
+            raise TypeError(
+                f"{who}: layer_idx must be a Python int (this cache's layers live in storages of "
+                f"different shapes, so the layer is chosen at trace time), got {layer_idx!r}."
+            )
+        layer = _layer_index(layer_idx, self.num_layers, who, allow_traced=allow_traced and single)
+        if isinstance(layer, int):
+            store = self.groups[layer]
+            return store, self.groups[:layer].count(store), layer
+        return 0, layer, layer
+
+    def _layers_of(self, store: int) -> Any:
+        if len(self.stores) == 1:
+            return slice(None)
+        return np.array([i for i, g in enumerate(self.groups) if g == store])
+
+    def _map_rows(self, fn) -> KVCache:
+        """``fn(leaf, batch_axis)`` over every leaf: storages and lengths are [L, B, ...]."""
+        stores = tuple(jax.tree.map(lambda x: fn(x, 1), s) for s in self.stores)
+        return dataclasses.replace(self, stores=stores, lengths=fn(self.lengths, 1), flags=fn(self.flags, 0))
+
+    def _emptied(self, rows: Array, flag_value: Array) -> KVCache:
+        return dataclasses.replace(
+            self,
+            stores=tuple(s.reset_rows(rows) for s in self.stores),
+            lengths=jnp.where(rows[None, :], 0, self.lengths),
+            flags=jnp.where(rows, flag_value, self.flags),
+        )
+
+    def _gather_rows(self, idx: Array) -> KVCache:
+        ok = (idx >= 0) & (idx < self.batch_size)
+        safe = jnp.where(ok, idx, 0)
+        out = self._map_rows(lambda x, axis: jnp.take(x, safe, axis=axis))
+        # A traced bad index (eager ones were refused) empties the row and flags it.
+        return out._emptied(jnp.logical_not(ok), jnp.int32(INVALID))._constrained()
+
+    def _constrained(self) -> KVCache:
+        if self.sharding is None:
+            return self
+        spec = _one_layer_spec(self.sharding, self._name)
+        batch_axis = spec[0]
+        if batch_axis is not None:
+            axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
+            if self.batch_size % int(np.prod([self.sharding.mesh.shape[a] for a in axes])):
+                spec = (None,) + spec[1:]
+        targets = _tree_shardings(dataclasses.replace(self, sharding=None), self.sharding.mesh, spec)
+        out = jax.tree.map(jax.lax.with_sharding_constraint, dataclasses.replace(self, sharding=None), targets)
+        return dataclasses.replace(out, sharding=self.sharding)
+
+
+register_dataclass(KVCache, data_fields=list(KVCache._data_fields), meta_fields=list(KVCache._meta_fields))
+
+
+def storage_field(name: str, doc: str) -> property:
+    """A kind's read-only attribute that is a field of its (single) storage, e.g.
+    ``StaticCache.keys`` is ``cache.stores[0].keys``."""
+    return property(lambda self: getattr(self.stores[0], name), doc=doc)
+
+
+def check_cache(cache: Any, who: str) -> Any:
+    """``cache`` if it speaks the cache protocol (every jaxkv kind does), else ``TypeError``."""
+    if not callable(getattr(cache, "write", None)) or not callable(getattr(cache, "positions", None)):
+        raise TypeError(
+            f"{who}: cache must be a jaxkv cache (model.init_cache(batch_size, max_length, kind=...), "
+            f"StaticCache.init(...), DynamicCache(), ...) or None, got {type(cache).__name__}"
+        )
+    return cache
+
+
+def _one_layer_spec(sharding: Any, who: str) -> tuple:
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            f"{who}.init: sharding must be a jax.sharding.NamedSharding over one layer's "
+            f"[B, H, S, D] buffer, got {type(sharding).__name__}."
+        )
+    spec = tuple(sharding.spec)
+    if len(spec) > 4:
+        raise ValueError(
+            f"{who}.init: the sharding spec describes one layer [B, H, S, D] and may have "
+            f"at most 4 entries, got {sharding.spec}."
+        )
+    return spec + (None,) * (4 - len(spec))
+
+
+def _tree_shardings(cache: KVCache, mesh: Any, spec: tuple) -> KVCache:
+    """A cache-shaped tree of ``NamedSharding``: each leaf by its storage's logical axes."""
+    named = dict(zip(_SPEC_AXES, spec))
+
+    def sharding(axes):
+        return NamedSharding(mesh, P(*(named.get(a) for a in axes)))
+
+    stores = tuple(
+        dataclasses.replace(s, **{f: sharding(axes) for f, axes in type(s).LEAF_AXES.items()}) for s in cache.stores
+    )
+    return dataclasses.replace(
+        cache, stores=stores, lengths=sharding(("layer", "batch")), flags=sharding(("batch",))
+    )
+
+
+def _restore(treedef, leaves, mesh):
+    cache = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+    if mesh is None:
+        return cache
+    names, ids, spec = mesh
+    by_id = {d.id: d for d in jax.devices()}
+    missing = sorted(set(ids.ravel().tolist()) - set(by_id))
+    if missing:
+        raise pickle.UnpicklingError(
+            f"{type(cache).__name__}: the cache was sharded over devices {sorted(ids.ravel().tolist())}; this "
+            f"process lacks {missing}. Load it where those devices exist, or pickle an unsharded copy."
+        )
+    devices = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
+    sharding = NamedSharding(jax.sharding.Mesh(devices, names), P(*spec))
+    spec = _one_layer_spec(sharding, type(cache).__name__)
+    targets = _tree_shardings(cache, sharding.mesh, spec)
+    return dataclasses.replace(jax.device_put(cache, targets), sharding=sharding)

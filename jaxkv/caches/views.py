@@ -1,0 +1,123 @@
+"""What a storage hands to attention for one layer: a view that says its layout.
+
+Attention dispatches on the type of the view, never on the cache class
+(:func:`jaxkv.attention.attend_view`):
+
+* :class:`ContiguousView`: slot ``s`` holds position ``s``; the stacked buffers are
+  passed whole with the layer index, so the blockwise loop / CPU kernel reads only the
+  filled blocks in place (cost O(tokens stored), not O(capacity)).
+* :class:`QuantizedView`: the same layout in int8 / int4 with per-token scales, read and
+  dequantized block by block, plus an exact full-precision residual of recent tokens.
+* :class:`LayerView`: dense arrays with a position per slot (a ring buffer, a dynamic
+  cache's grown arrays, encoder states). Attention reads every slot; a storage returns
+  this only when its slot count is already small (a ring is O(window)) or unbounded by
+  design (a dynamic cache).
+
+Every view can be materialised with ``.dense()`` into a :class:`LayerView` (the HF-style
+``update`` return value); attention never does that for the first two.
+
+Shapes: L layers, B rows, H kv heads, S slots, D head dim, D' stored last axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+__all__ = ["NO_POSITION", "ContiguousView", "LayerView", "QuantizedView"]
+
+#: Position reported by a slot that holds no token: later than any query, so masked.
+NO_POSITION = 2**31 - 1
+
+
+class LayerView(NamedTuple):
+    """Dense arrays of one layer after an update, each slot with its position.
+
+    ``attend(q, view.keys, view.values, q_positions=positions,
+    kv_lengths=view.kv_lengths, kv_positions=view.kv_positions,
+    sliding_window=view.sliding_window)`` is the attention of the new tokens.
+    """
+
+    keys: Array  # [B, H, S', D]
+    values: Array  # [B, H, S', D]; entries that hold no token are zero
+    kv_positions: Array | None  # int32[B, S'] (NO_POSITION: empty); None: slot s holds position s
+    kv_lengths: Array  # int32[B]: slots at or past it are unused
+    sliding_window: int | None  # the window of this layer, None for full attention
+
+    def dense(self) -> LayerView:
+        return self
+
+    def slot_positions(self) -> Array:
+        """int32[B, S']: the position each slot holds, ``NO_POSITION`` where none."""
+        if self.kv_positions is None:
+            return _filled_positions(self.kv_lengths, self.keys.shape[2])
+        slots = jnp.arange(self.keys.shape[2], dtype=jnp.int32)[None, :]
+        return jnp.where(slots < self.kv_lengths[:, None], self.kv_positions, jnp.int32(NO_POSITION))
+
+
+def _filled_positions(lengths: Array, num_slots: int) -> Array:
+    slots = jnp.arange(num_slots, dtype=jnp.int32)[None, :]
+    return jnp.where(slots < lengths[:, None], slots, jnp.int32(NO_POSITION))
+
+
+class ContiguousView(NamedTuple):
+    """One layer of stacked ``[L, B, H, S, D]`` buffers where slot ``s`` holds position ``s``."""
+
+    keys: Array  # [L, B, H, S, D], the whole stacked buffer
+    values: Array  # [L, B, H, S, D]
+    layer: Any  # int or traced int32: the layer to read
+    lengths: Array  # int32[B]: filled slots per row
+
+    def dense(self) -> LayerView:
+        return LayerView(self.keys[self.layer], self.values[self.layer], None, self.lengths, None)
+
+    def slot_positions(self) -> Array:
+        """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
+        return _filled_positions(self.lengths, self.keys.shape[3])
+
+
+class QuantizedView(NamedTuple):
+    """One layer of a quantized storage: ``[L, B, H, S, D']`` codes with per-token scales
+    (slot ``s`` holds position ``s``) and a ring of the last R tokens in full precision.
+
+    A residual slot ``r`` holds position ``residual_positions[b, r]`` exactly; it is used
+    iff ``0 <= position < lengths[b]``, and the quantized slot of that position must then be
+    ignored (the residual wins).
+    """
+
+    keys: Array  # [L, B, H, S, D'] int8 (or uint8: two int4 per byte)
+    values: Array  # [L, B, H, S, D']
+    key_scales: Array  # [L, B, H, S]
+    value_scales: Array  # [L, B, H, S]
+    residual_keys: Array  # [B, H, R, D] in the model dtype
+    residual_values: Array  # [B, H, R, D]
+    residual_positions: Array  # int32[B, R]
+    layer: Any  # int or traced int32
+    lengths: Array  # int32[B]
+    bits: int  # 8 or 4
+    dtype: Any  # the model dtype
+
+    def residual_used(self) -> Array:
+        """bool[B, R]: residual slots holding a stored token."""
+        rp = self.residual_positions
+        return (rp >= 0) & (rp < self.lengths[:, None])
+
+    def dense(self) -> LayerView:
+        from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+
+        keys = dequantize(self.keys[self.layer], self.key_scales[self.layer], self.bits, self.dtype)
+        values = dequantize(self.values[self.layer], self.value_scales[self.layer], self.bits, self.dtype)
+        if self.residual_keys.shape[2]:
+            slot = jnp.where(self.residual_used(), self.residual_positions, keys.shape[2])
+            rows = jnp.arange(keys.shape[0], dtype=jnp.int32)[:, None]
+            keys = keys.at[rows, :, slot].set(self.residual_keys.transpose(0, 2, 1, 3), mode="drop")
+            values = values.at[rows, :, slot].set(self.residual_values.transpose(0, 2, 1, 3), mode="drop")
+        return LayerView(keys, values, None, self.lengths, None)
+
+    def slot_positions(self) -> Array:
+        """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
+        return _filled_positions(self.lengths, self.keys.shape[3])

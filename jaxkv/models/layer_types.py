@@ -1,0 +1,99 @@
+"""Which layers of an HF decoder config use sliding-window attention: the one rule.
+
+Used by :meth:`jaxkv.models.LlamaConfig.from_hf` (the model) and by
+:meth:`jaxkv.HybridCache.from_config` (the cache), so a model and its cache always agree.
+Pure Python: importing it needs neither flax nor jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FULL", "SLIDING", "layer_types_from_config"]
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+# Model types whose configs say which layers slide with use_sliding_window/max_window_layers.
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Model types whose sliding_window, when set, applies to every layer.
+_ALL_SLIDING_TYPES = ("mistral", "mixtral")
+# Model types whose attention has no window at all: transformers ignores sliding_window.
+_NO_WINDOW_TYPES = ("llama",)
+_TYPE_OF_ARCHITECTURE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
+    """Which layers slide, and the window, from an HF config (dict or ``PretrainedConfig``).
+
+    Rules, in order (those of transformers' configs and attention modules):
+
+    * Qwen2/Qwen3 (``model_type`` qwen2, qwen3 or their MoE variants): without
+      ``use_sliding_window`` no layer slides, whatever ``layer_types`` says (transformers
+      then sets the window to None). With it, ``layer_types`` if given, else layer ``i``
+      slides iff ``i >= max_window_layers``.
+    * ``layer_types`` given: used as is (each ``"full_attention"`` or
+      ``"sliding_attention"``), with ``sliding_window`` as the window.
+    * Mistral/Mixtral: every layer slides when ``sliding_window`` is set.
+    * Llama: every layer is full (its attention has no window; transformers ignores a
+      ``sliding_window`` key there).
+    * Any config without ``sliding_window``: every layer is full.
+
+    ``model_type`` comes from the config, or from its ``architectures`` when absent.
+
+    Returns:
+      ``(layer_types, sliding_window)``; ``sliding_window`` is None when no layer slides.
+
+    Raises:
+      ValueError: ``layer_types`` of the wrong length or with another kind of layer
+        (e.g. linear attention); layers marked sliding without a window; a config of
+        another model type that sets ``sliding_window`` without ``layer_types`` (its
+        pattern is not known here: pass ``layer_types``).
+    """
+    cfg = config if isinstance(config, Mapping) else config.to_dict()
+    num_layers = cfg.get("num_hidden_layers")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"layer_types_from_config: num_hidden_layers must be an int >= 1, got {num_layers!r}.")
+    model_type = str(cfg.get("model_type") or "").lower()
+    if not model_type:
+        archs = cfg.get("architectures") or []
+        model_type = next((_TYPE_OF_ARCHITECTURE[a] for a in archs if a in _TYPE_OF_ARCHITECTURE), "")
+    window = cfg.get("sliding_window")
+    qwen = model_type in _QWEN_TYPES
+    if (qwen and not cfg.get("use_sliding_window", False)) or model_type in _NO_WINDOW_TYPES:
+        return (FULL,) * num_layers, None
+    types = cfg.get("layer_types")
+    if types:
+        types = tuple(types)
+        if len(types) != num_layers:
+            raise ValueError(
+                f"layer_types_from_config: layer_types has {len(types)} entries, expected one per layer "
+                f"({num_layers})."
+            )
+        other = sorted(set(types) - {FULL, SLIDING})
+        if other:
+            raise ValueError(
+                f"layer_types_from_config: only {FULL!r} and {SLIDING!r} layers have a jaxkv cache, got {other}."
+            )
+    elif qwen:
+        first = cfg.get("max_window_layers", num_layers)
+        types = tuple(SLIDING if window is not None and i >= first else FULL for i in range(num_layers))
+    elif model_type in _ALL_SLIDING_TYPES or window is None:
+        types = ((SLIDING if window is not None else FULL),) * num_layers
+    else:
+        raise ValueError(
+            f"layer_types_from_config: a {model_type or 'config'} with sliding_window={window} but no "
+            "layer_types; which layers slide is not known for this model type. Pass layer_types."
+        )
+    if SLIDING not in types:
+        return types, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"layer_types_from_config: layers are marked sliding but the sliding window is {window!r}.")
+    return types, int(window)

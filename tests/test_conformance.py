@@ -1,0 +1,457 @@
+"""One conformance suite for every cache kind (the container protocol, written once).
+
+Every test here is parametrized over the kinds: StaticCache, SlidingWindowCache,
+QuantizedCache (int8 with a residual), HybridCache and an EncoderDecoderCache (static self
+part). Kind-specific behaviour (ring eviction, quantization error bounds, cross
+attention) lives in the kind's own test file.
+
+The reference is ``tests/reference.py``: a NumPy model that stores every token of every
+layer and row in Python lists, plus, for ring layers, the first position still held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import INVALID, OVERFLOW, CacheError, DynamicCache
+from jaxkv.attention import attend_view
+from jaxkv.caches import (
+    FULL,
+    SLIDING,
+    CrossAttentionCache,
+    EncoderDecoderCache,
+    HybridCache,
+    QuantizedCache,
+    RingStorage,
+    SlidingWindowCache,
+    StaticCache,
+)
+from reference import ReferenceCache, crop_target
+
+L, B, H, HQ, D, S = 2, 3, 2, 4, 8, 12  # L != B: a mixed-up axis cannot pass
+W, EXTRA = 4, 2  # ring window and rollback slots
+E = 3  # encoder tokens
+
+
+def _static():
+    return StaticCache.init(num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, max_length=S)
+
+
+KINDS = {
+    "static": _static,
+    "sliding": lambda: SlidingWindowCache.init(
+        num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, window=W, extra_slots=EXTRA
+    ),
+    "quantized": lambda: QuantizedCache.init(
+        num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, max_length=S, bits=8, residual_length=3
+    ),
+    # A residual as long as the capacity: every token is read exactly (attention patches the
+    # residual over the codes block by block), so it must match the reference tightly.
+    "quantized-exact": lambda: QuantizedCache.init(
+        num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, max_length=S, bits=4, residual_length=S
+    ),
+    "hybrid": lambda: HybridCache.init(
+        layer_types=[SLIDING, FULL], batch_size=B, num_kv_heads=H, head_dim=D, max_length=S, window=W,
+        extra_slots=EXTRA,
+    ),
+    "encdec": lambda: EncoderDecoderCache.create(
+        _static(),
+        CrossAttentionCache.from_layers([(jnp.ones((B, H, E, D)), jnp.ones((B, H, E, D)))] * L),
+    ),
+}
+# Ring layers per kind: layer -> (window, slots).
+RINGS = {"sliding": {0: (W, W + EXTRA), 1: (W, W + EXTRA)}, "hybrid": {0: (W, W + EXTRA)}}
+CAPACITY = {"static": S, "quantized": S, "quantized-exact": S, "hybrid": S, "encdec": S, "sliding": None}
+# int8 codes: each element is within scale / 2 = max|x| / 254 of the truth; attention
+# outputs over N(0, 1) data stay within this (the exact residual makes it smaller).
+ATOL = {"quantized": 5e-2}
+kinds = pytest.mark.parametrize("kind", list(KINDS))
+
+
+def rand(rng, t, batch=B):
+    return rng.standard_normal((batch, H, t, D)).astype(np.float32)
+
+
+class KindReference(ReferenceCache):
+    """``ReferenceCache`` plus, for ring layers, the first position each row still holds."""
+
+    def __init__(self, kind, batch=B):
+        super().__init__(L, batch)
+        self.rings = RINGS.get(kind, {})
+        self.capacity = CAPACITY[kind]
+        self.start = [[0] * batch for _ in range(L)]
+
+    def update(self, layer, keys, values, num_new=None):
+        batch, _, t, _ = keys.shape
+        n = [t if num_new is None else int(num_new[b]) for b in range(batch)]
+        if self.capacity is not None and layer not in self.rings:  # tokens past capacity are dropped
+            n = [min(k, self.capacity - self.length(layer, b)) for b, k in enumerate(n)]
+        super().update(layer, keys, values, n)
+        if layer in self.rings:
+            slots = self.rings[layer][1]
+            self.start[layer] = [max(s, self.length(layer, b) - slots) for b, s in enumerate(self.start[layer])]
+
+    def loses(self, amounts) -> bool:
+        """Whether ``crop(amounts)`` needs a position a ring layer evicted."""
+        for layer, (window, _) in self.rings.items():
+            for b in range(self.batch):
+                n = self.length(layer, b)
+                target = crop_target(amounts[b], n)
+                if target < n and self.start[layer][b] > max(0, target - window + 1):
+                    return True
+        return False
+
+    def crop(self, amounts):
+        super().crop(amounts)
+        self.start = [[min(s, self.length(i, b)) for b, s in enumerate(row)] for i, row in enumerate(self.start)]
+
+    def select(self, indices):
+        super().select(indices)
+        self.start = [[row[i] for i in indices] for row in self.start]
+
+    def reset_rows(self, rows):
+        for b, r in enumerate(rows):
+            if r:
+                for layer in range(L):
+                    self.rows[layer][b] = []
+                    self.start[layer][b] = 0
+
+    def attention(self, layer, q):
+        """float64 [B, HQ, 1, D]: a query at the next position over what the layer holds."""
+        window = self.rings.get(layer, (None, None))[0]
+        out = np.zeros(q.shape)
+        for b in range(self.batch):
+            tokens = self.rows[layer][b]
+            n = len(tokens)
+            visible = [p for p in range(n) if window is None or n - p < window]
+            if not visible:
+                continue
+            k = np.stack([tokens[p][0] for p in visible], axis=1).astype(np.float64)  # [H, N, D]
+            v = np.stack([tokens[p][1] for p in visible], axis=1).astype(np.float64)
+            for h in range(HQ):
+                logits = k[h // (HQ // H)] @ q[b, h, 0].astype(np.float64) / np.sqrt(D)
+                w = np.exp(logits - logits.max())
+                out[b, h, 0] = (w / w.sum()) @ v[h // (HQ // H)]
+        return out
+
+
+# ---------------------------------------------------------------- ops, jitted once per kind
+
+_jitted: dict = {}
+
+
+def op(kind, name, fn, **jit_kwargs):
+    key = (kind, name)
+    if key not in _jitted:
+        _jitted[key] = jax.jit(fn, **jit_kwargs)
+    return _jitted[key]
+
+
+def do_update(kind, cache, layer, k, v, num_new):
+    fn = op(kind, f"update{layer}_{k.shape[2]}", lambda c, k, v, n: c.update(k, v, layer, num_new=n)[0])
+    return fn(cache, k, v, jnp.asarray(num_new, jnp.int32))
+
+
+def attention_of(kind, cache, layer, q):
+    positions = cache.seq_lengths(layer)[:, None]
+    window = RINGS.get(kind, {}).get(layer, (None,))[0]
+    fn = op(kind, f"attend{layer}", lambda c, q, p: attend_view(q, c.view(layer), q_positions=p, sliding_window=window))
+    return np.asarray(fn(cache, q, positions))
+
+
+def poison_unused(cache):
+    """NaN/inf in every slot that holds no token: attention must never see them."""
+
+    def poison_store(store, lengths):
+        if isinstance(store, RingStorage):
+            from jaxkv.caches.ring import slot_positions
+
+            pos = jax.vmap(lambda n, s: slot_positions(n, s, store.num_slots))(lengths, store.starts)  # [L, B, C]
+            unused = (pos == 2**31 - 1)[:, :, None, :, None]
+        else:
+            slots = jnp.arange(store.keys.shape[3])
+            unused = (slots[None, None, :] >= lengths[:, :, None])[:, :, None, :, None]
+        if store.keys.dtype in (jnp.int8, jnp.uint8):  # codes cannot be NaN: poison their scales
+            return dataclasses.replace(
+                store,
+                key_scales=jnp.where(unused[..., 0], jnp.nan, store.key_scales),
+                value_scales=jnp.where(unused[..., 0], jnp.inf, store.value_scales),
+            )
+        return dataclasses.replace(
+            store, keys=jnp.where(unused, jnp.nan, store.keys), values=jnp.where(unused, jnp.inf, store.values)
+        )
+
+    own = cache.self_attention if isinstance(cache, EncoderDecoderCache) else cache
+    stores = tuple(
+        poison_store(store, own.lengths[own._layers_of(i)]) for i, store in enumerate(own.stores)
+    )
+    own = dataclasses.replace(own, stores=stores)
+    return dataclasses.replace(cache, self_attention=own) if isinstance(cache, EncoderDecoderCache) else own
+
+
+def lengths_of(cache):
+    return np.asarray(jnp.stack([cache.seq_lengths(i) for i in range(L)]))
+
+
+# ------------------------------------------------------------------------- the fuzz test
+
+
+@st.composite
+def programs(draw):
+    ops = []
+    for _ in range(draw(st.integers(3, 10))):
+        kind = draw(st.sampled_from(["update"] * 5 + ["crop", "reset", "reorder", "select", "overflow"]))
+        if kind == "update":
+            t = draw(st.sampled_from((1, 3)))
+            ops.append(("update", draw(st.integers(0, L - 1)), t, draw(st.lists(st.integers(0, t), min_size=B, max_size=B))))
+        elif kind == "crop":
+            amounts = st.one_of(st.integers(-4, S + 2), st.sampled_from([0, 2**31, -(2**31), 2**40]))
+            ops.append(("crop", draw(st.lists(amounts, min_size=B, max_size=B))))
+        elif kind == "reset":
+            ops.append(("reset", draw(st.lists(st.booleans(), min_size=B, max_size=B))))
+        elif kind == "reorder":
+            ops.append(("reorder", draw(st.permutations(range(B)))))
+        elif kind == "select":
+            ops.append(("select", draw(st.lists(st.integers(0, B - 1), min_size=B, max_size=B))))
+        else:
+            ops.append(("overflow", draw(st.integers(0, L - 1))))
+    return ops, draw(st.integers(0, 2**31 - 1))
+
+
+@kinds
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(program=programs())
+def test_random_programs_match_numpy_model(kind, program):
+    """Random op sequences under jit, NaN/inf in every unused slot, against the NumPy model:
+    the lengths, the flags and the attention every layer gives."""
+    ops, seed = program
+    rng = np.random.default_rng(seed)
+    cache, ref = KINDS[kind](), KindReference(kind)
+    overflowed = np.zeros(B, bool)
+    q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
+    for name, *args in ops:
+        if name == "update":
+            layer, t, num_new = args
+            k, v = rand(rng, t), rand(rng, t)
+            cap = CAPACITY[kind] if layer not in ref.rings else None
+            totals = [ref.length(layer, b) + num_new[b] for b in range(B)]
+            if cap is not None and max(totals) > cap:
+                with pytest.raises(ValueError, match="overflow"):
+                    cache.update(k, v, layer, num_new=jnp.asarray(num_new, jnp.int32))  # eagerly: refused
+                overflowed |= np.asarray(totals) > cap  # under jit: dropped and flagged
+            cache = do_update(kind, cache, layer, k, v, num_new)
+            ref.update(layer, k, v, num_new)
+        elif name == "overflow":
+            (layer,) = args
+            if CAPACITY[kind] is None or layer in ref.rings:
+                continue
+            k = rand(rng, 3)
+            room = [CAPACITY[kind] - ref.length(layer, b) for b in range(B)]
+            num_new = [min(3, r + 1) if r < 3 else 0 for r in room]  # rows with little room overflow by one
+            overflowed |= np.asarray([n > r for n, r in zip(num_new, room)])
+            cache = do_update(kind, cache, layer, k, k, num_new)
+            ref.update(layer, k, k, num_new)
+        elif name == "crop":
+            (amounts,) = args
+            if ref.loses(amounts):
+                with pytest.raises(ValueError, match="evicted"):
+                    cache.crop(np.asarray(amounts, np.int64))
+                continue
+            clamped = np.clip(np.asarray(amounts, np.int64), -(2**31 - 1), 2**31 - 1).astype(np.int32)
+            cache = op(kind, "crop", lambda c, m: c.crop(m))(cache, jnp.asarray(clamped))
+            ref.crop(amounts)
+        elif name == "reset":
+            (rows,) = args
+            cache = op(kind, "reset", lambda c, r: c.reset(r))(cache, jnp.asarray(rows))
+            ref.reset_rows(rows)
+            overflowed &= ~np.asarray(rows)
+        else:  # reorder / select: same batch size
+            (idx,) = args
+            cache = op(kind, name, lambda c, i: c.batch_select_indices(i))(cache, jnp.asarray(idx, jnp.int32))
+            ref.select(list(idx))
+            overflowed = overflowed[list(idx)]
+        cache = poison_unused(cache)
+        np.testing.assert_array_equal(lengths_of(cache), [[ref.length(i, b) for b in range(B)] for i in range(L)])
+        np.testing.assert_array_equal((np.asarray(cache.flags) & OVERFLOW) != 0, overflowed)
+        assert not (np.asarray(cache.flags) & INVALID).any()
+        for layer in range(L):
+            got = attention_of(kind, cache, layer, q)
+            assert np.isfinite(got).all(), (kind, layer, name)
+            np.testing.assert_allclose(got, ref.attention(layer, q), atol=ATOL.get(kind, 2e-5), rtol=1e-4)
+
+
+# --------------------------------------------------------------- protocol, kind by kind
+
+
+def filled(kind, seed=0):
+    rng = np.random.default_rng(seed)
+    cache = KINDS[kind]()
+    for layer in range(L):
+        k = rand(rng, 3)
+        cache, _, _ = cache.update(k, k, layer, num_new=jnp.array([3, 2, 1]))
+    return cache
+
+
+def program(cache, k):
+    """A fixed op sequence through the public vocabulary."""
+    cache, _, _ = cache.update(k, k, 0, num_new=jnp.array([1, 0, 1]))
+    cache = cache.crop(jnp.array([-1, 0, 2]))
+    cache = cache.reorder_cache(jnp.array([1, 0, 2]))
+    cache = cache.batch_select_indices(jnp.array([0, 0, 2]))
+    cache = cache.reset(jnp.array([False, True, False]))
+    cache = cache.batch_repeat_interleave(2).batch_select_indices(jnp.array([1, 2, 5]))
+    cache, _, _ = cache.update(k, k, 1)
+    return cache
+
+
+@kinds
+def test_eager_equals_jit(kind):
+    cache, k = filled(kind), jnp.asarray(rand(np.random.default_rng(1), 1))
+    chex.assert_trees_all_close(program(cache, k), jax.jit(program)(cache, k))
+
+
+@kinds
+def test_vmap_matches_a_loop(kind):
+    caches = [filled(kind, seed) for seed in (0, 1)]
+    ks = jnp.asarray(np.stack([rand(np.random.default_rng(s), 1) for s in (2, 3)]))
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *caches)
+    out = jax.vmap(program)(stacked, ks)
+    for i, cache in enumerate(caches):
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], out), program(cache, ks[i]))
+
+
+@kinds
+def test_scan_over_layers_matches_unrolled(kind):
+    cache, k = filled(kind), jnp.asarray(rand(np.random.default_rng(4), 2))
+
+    def body(cache, layer):
+        return cache.update(k, k, layer)[0], None
+
+    if kind == "hybrid":  # its layers have two shapes: the layer is picked at trace time
+        with pytest.raises(TypeError, match="must be a Python int"):
+            jax.lax.scan(body, cache, jnp.arange(L))
+        return
+    scanned, _ = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(L)))(cache)
+    unrolled = cache
+    for layer in range(L):
+        unrolled = unrolled.update(k, k, layer)[0]
+    chex.assert_trees_all_close(scanned, unrolled)
+
+
+@kinds
+def test_donated_decode_step_compiles_once_and_copies_nothing(kind):
+    traces = []
+
+    def step(cache, k):
+        traces.append(1)
+        for layer in range(L):
+            cache, _, _ = cache.update(k, k, layer)
+        return cache.crop(-1)  # roll back: the same fill every call
+
+    jitted = jax.jit(step, donate_argnums=0)
+    cache, k = filled(kind), jnp.ones((B, H, 1, D))
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+    for _ in range(3):
+        old = cache
+        cache = jitted(cache, k)
+        assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    assert len(traces) == 1  # another fill level is the same program
+    # Every buffer was written in place: XLA aliased each donated leaf to its output.
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)] == pointers
+
+
+@kinds
+def test_overflow_policy(kind):
+    cache = filled(kind)
+    k = jnp.ones((B, H, S, D))
+    if CAPACITY[kind] is None:  # a ring never overflows
+        assert not cache.update(k, k, 0)[0].overflowed.any()
+        return
+    layer = 1  # a bounded layer of every bounded kind
+    with pytest.raises(ValueError, match=rf"overflow in layer {layer}, row 0: it holds 3 tokens"):
+        cache.update(k, k, layer)
+    out = jax.jit(lambda c: c.update(k, k, layer)[0])(cache)
+    np.testing.assert_array_equal(out.seq_lengths(layer), [S] * B)
+    np.testing.assert_array_equal(out.overflowed, [True] * B)
+    with pytest.raises(CacheError, match=r"rows \[0, 1, 2\] overflowed"):
+        out.check()
+    assert not out.reset().overflowed.any()
+
+
+@kinds
+def test_traced_bad_indices_empty_the_row_and_flag_it(kind):
+    cache = filled(kind)
+    out = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.array([-1, 0, 1]))  # -1 must not wrap to row 2
+    np.testing.assert_array_equal(out.seq_lengths(0), [0, 3, 2])
+    np.testing.assert_array_equal((np.asarray(out.flags) & INVALID) != 0, [True, False, False])
+    with pytest.raises(CacheError, match=r"rows \[0\] got an out-of-range index"):
+        out.check()
+
+
+def test_dynamic_cache_bad_traced_row_is_nan_not_a_wrapped_row():
+    cache = DynamicCache.from_legacy_cache([(jnp.ones((2, 1, 2, 2)), jnp.ones((2, 1, 2, 2)))])
+    for fn in (lambda c, i: c.reorder_cache(i), lambda c, i: c.batch_select_indices(i)):
+        keys = jax.jit(fn)(cache, jnp.array([-1, 0]))[0][0]
+        assert np.isnan(keys[0]).all() and (keys[1] == 1).all()
+
+
+@kinds
+def test_crop_rule(kind):
+    cache = filled(kind)  # rows hold 3, 2 and 1 tokens in every layer
+    np.testing.assert_array_equal(lengths_of(cache.crop(jnp.array([-2, 0, 1])))[0], [1, 2, 1])  # 0 drops nothing
+    np.testing.assert_array_equal(lengths_of(cache.crop(0))[0], [3, 2, 1])
+    for huge in (2**31, np.int64(2**32 + 2), 2**70):  # clamped, never wrapped
+        np.testing.assert_array_equal(lengths_of(cache.crop(huge))[0], [3, 2, 1])
+        np.testing.assert_array_equal(lengths_of(cache.crop(-huge))[0], [0, 0, 0])
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(lengths_of(cache.crop(jnp.asarray([2**32 + 2, -(2**33), 0])))[0], [3, 0, 1])
+        np.testing.assert_array_equal(lengths_of(jax.jit(lambda c, m: c.crop(m))(cache, jnp.int64(2**32 + 1)))[0], [3, 2, 1])
+
+
+def test_dynamic_crop_is_per_layer_like_transformers():
+    k = jnp.ones((1, 1, 4, 2))
+    cache = DynamicCache(num_layers=3).update(k, k, 1)[0].update(k[:, :, :2], k[:, :, :2], 2)[0]
+    out = cache.crop(-1)  # layer 0 unseeded: the others lose one token each
+    assert [out.get_seq_length(i) for i in range(3)] == [0, 3, 1]
+    assert [cache.crop(0).get_seq_length(i) for i in range(3)] == [0, 4, 2]
+    assert cache.crop(2**40).get_seq_length(1) == 4 and cache.crop(-(2**40)).get_seq_length(1) == 0
+
+
+@kinds
+def test_check_on_a_stacked_cache_names_the_row(kind):
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), filled(kind), filled(kind))
+    out = jax.vmap(lambda c, i: c.reorder_cache(i))(stacked, jnp.array([[0, 1, 2], [0, 5, 2]]))
+    with pytest.raises(CacheError, match=r"rows \[\(1, 1\)\] got an out-of-range index"):
+        out.check()
+
+
+@kinds
+def test_pickle_round_trip(kind):
+    cache = filled(kind)
+    back = pickle.loads(pickle.dumps(cache))
+    assert type(back) is type(cache)
+    chex.assert_trees_all_equal(back, cache)
+    assert jax.tree.structure(back) == jax.tree.structure(cache)
+
+
+@kinds
+def test_flax_serialization_round_trip(kind):
+    from flax import serialization
+
+    import jaxkv.nnx  # noqa: F401  (a flax integration module registers the kinds with flax)
+
+    cache = filled(kind)
+    back = serialization.from_bytes(KINDS[kind](), serialization.to_bytes(cache))
+    assert type(back) is type(cache)
+    chex.assert_trees_all_equal(back, cache)
+    with pytest.raises(ValueError, match="was saved as"):  # another shape: a clear error, not garbage
+        serialization.from_bytes(filled(kind).batch_select_indices(jnp.array([0])), serialization.to_bytes(cache))
