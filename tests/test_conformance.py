@@ -35,6 +35,7 @@ from jaxkv.caches import (
     SlidingWindowCache,
     StaticCache,
 )
+from jaxkv.caches.quantized import scales_to_bits
 from reference import ReferenceCache, crop_target
 
 L, B, H, HQ, D, S = 2, 3, 2, 4, 8, 12  # L != B: a mixed-up axis cannot pass
@@ -181,10 +182,11 @@ def poison_unused(cache):
             slots = jnp.arange(store.keys.shape[3])
             unused = (slots[None, None, :] >= lengths[:, :, None])[:, :, None, :, None]
         if store.keys.dtype in (jnp.int8, jnp.uint8):  # codes cannot be NaN: poison their scales
+            nan, inf = (scales_to_bits(jnp.asarray(x, store.scale_dtype)) for x in (jnp.nan, jnp.inf))
             return dataclasses.replace(
                 store,
-                key_scales=jnp.where(unused[..., 0], jnp.nan, store.key_scales),
-                value_scales=jnp.where(unused[..., 0], jnp.inf, store.value_scales),
+                key_scales=jnp.where(unused[..., 0], nan, store.key_scales),
+                value_scales=jnp.where(unused[..., 0], inf, store.value_scales),
             )
         return dataclasses.replace(
             store, keys=jnp.where(unused, jnp.nan, store.keys), values=jnp.where(unused, jnp.inf, store.values)

@@ -436,7 +436,7 @@ def quantized_blockwise_attend(
     kernel reads float buffers). Same contract, shapes and errors as
     :func:`blockwise_attend`.
     """
-    from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+    from jaxkv.caches.quantized import dequantize, scales_from_bits  # the codec lives with its storage
 
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
@@ -465,11 +465,9 @@ def quantized_blockwise_attend(
             (view.keys, view.key_scales, view.residual_keys),
             (view.values, view.value_scales, view.residual_values),
         ):
+            block_scales = scales_from_bits(jax.lax.dynamic_slice(scales, scales_at, scales_shape)[0], view.scale_dtype)
             block = dequantize(
-                jax.lax.dynamic_slice(codes, codes_at, codes_shape)[0],
-                jax.lax.dynamic_slice(scales, scales_at, scales_shape)[0],
-                view.bits,
-                view.dtype,
+                jax.lax.dynamic_slice(codes, codes_at, codes_shape)[0], block_scales, view.bits, view.dtype
             )
             if exact.shape[2]:  # the residual's exact copies win over the quantized ones
                 local = view.residual_positions - offset

@@ -104,6 +104,22 @@ def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) 
     return (values * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
+def scales_to_bits(scales: Array) -> Array:
+    """Scales as stored: a 16-bit float's bit pattern (uint16), any other dtype as is.
+
+    XLA:CPU cannot update a bf16/f16 array in place: it converts the whole array to f32
+    and back around every write (measured: a one-token write into a 32K-slot bf16 buffer
+    costs 150x one into a 1K buffer). Integer buffers are updated in place, so 16-bit
+    scales are kept as their bits and turned back into floats one block at a time.
+    """
+    return jax.lax.bitcast_convert_type(scales, jnp.uint16) if scales.dtype.itemsize == 2 else scales
+
+
+def scales_from_bits(stored: Array, scale_dtype: Any) -> Array:
+    """Inverse of :func:`scales_to_bits`."""
+    return jax.lax.bitcast_convert_type(stored, scale_dtype) if stored.dtype == jnp.uint16 else stored
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizedStorage:
     """int8/int4 codes with per-token, per-head scales, and a full-precision residual ring.
@@ -111,8 +127,9 @@ class QuantizedStorage:
     Attributes:
       keys: [L, B, H, S, D'] quantized keys (int8, or uint8 holding two int4 values).
       values: [L, B, H, S, D'] quantized values.
-      key_scales: [L, B, H, S] per-token, per-head key scales (``scale_dtype``).
-      value_scales: [L, B, H, S] value scales.
+      key_scales: [L, B, H, S] per-token, per-head key scales (``scale_dtype``; a 16-bit
+        float is stored as its uint16 bits, see :func:`scales_to_bits`).
+      value_scales: [L, B, H, S] value scales, stored the same way.
       residual_keys: [L, B, H, R, D] the last R written keys in the model dtype; the token
         at position ``p`` is in slot ``p % R``.
       residual_values: [L, B, H, R, D] the same for values.
@@ -120,6 +137,7 @@ class QuantizedStorage:
         a slot is used iff ``0 <= position < length``.
       bits: static, 8 or 4.
       dtype: static model dtype: what attention reads and the residual stores.
+      scale_dtype: static dtype of the scales.
     """
 
     keys: Array
@@ -131,6 +149,7 @@ class QuantizedStorage:
     residual_positions: Array
     bits: int  # static
     dtype: Any  # static
+    scale_dtype: Any  # static
 
     LEAF_AXES: ClassVar[dict] = {
         "keys": ("layer", "batch", "heads", "seq", "packed"),
@@ -152,13 +171,14 @@ class QuantizedStorage:
         return cls(
             keys=jnp.zeros(stored, qdtype),
             values=jnp.zeros(stored, qdtype),
-            key_scales=jnp.zeros((*lead, max_length), scale_dtype),
-            value_scales=jnp.zeros((*lead, max_length), scale_dtype),
+            key_scales=scales_to_bits(jnp.zeros((*lead, max_length), scale_dtype)),
+            value_scales=scales_to_bits(jnp.zeros((*lead, max_length), scale_dtype)),
             residual_keys=jnp.zeros(residual, dtype),
             residual_values=jnp.zeros(residual, dtype),
             residual_positions=jnp.full((num_layers, batch_size, residual_length), -1, jnp.int32),
             bits=bits,
             dtype=dtype,
+            scale_dtype=jnp.dtype(scale_dtype),
         )
 
     num_layers = property(lambda self: self.keys.shape[0])
@@ -171,15 +191,14 @@ class QuantizedStorage:
         del read_layer, layer_ok  # a bad layer writes at `write_layer` == L: dropped
         capacity, new_tokens, r = self.capacity, keys.shape[2], self.residual_length
         slot = token_slots(old, count, new_tokens, capacity)
-        scale_dtype = self.key_scales.dtype
-        kq, ks = quantize(keys, self.bits, scale_dtype=scale_dtype)  # [B, H, T, D'], [B, H, T]
-        vq, vs = quantize(values, self.bits, scale_dtype=scale_dtype)
+        kq, ks = quantize(keys, self.bits, scale_dtype=self.scale_dtype)  # [B, H, T, D'], [B, H, T]
+        vq, vs = quantize(values, self.bits, scale_dtype=self.scale_dtype)
         new = dataclasses.replace(
             self,
             keys=scatter_slots(self.keys, write_layer, kq, slot),
             values=scatter_slots(self.values, write_layer, vq, slot),
-            key_scales=scatter_slots(self.key_scales, write_layer, ks, slot),
-            value_scales=scatter_slots(self.value_scales, write_layer, vs, slot),
+            key_scales=scatter_slots(self.key_scales, write_layer, scales_to_bits(ks), slot),
+            value_scales=scatter_slots(self.value_scales, write_layer, scales_to_bits(vs), slot),
         )
         if r:
             # The last R stored tokens of each row; distinct slots, so no scatter collisions.
@@ -200,6 +219,7 @@ class QuantizedStorage:
         return QuantizedView(
             self.keys, self.values, self.key_scales, self.value_scales, self.residual_keys[layer],
             self.residual_values[layer], self.residual_positions[layer], layer, lengths, self.bits, self.dtype,
+            self.scale_dtype,
         )
 
     def crop(self, old: Array, new: Array, **_: Any):
@@ -217,7 +237,7 @@ register_dataclass(
     data_fields=[
         "keys", "values", "key_scales", "value_scales", "residual_keys", "residual_values", "residual_positions",
     ],
-    meta_fields=["bits", "dtype"],
+    meta_fields=["bits", "dtype", "scale_dtype"],
 )
 
 
@@ -284,8 +304,16 @@ class QuantizedCache(KVCache):
 
     keys = storage_field("keys", "[L, B, H, S, D'] quantized keys.")
     values = storage_field("values", "[L, B, H, S, D'] quantized values.")
-    key_scales = storage_field("key_scales", "[L, B, H, S] key scales.")
-    value_scales = storage_field("value_scales", "[L, B, H, S] value scales.")
+    @property
+    def key_scales(self) -> Array:
+        """[L, B, H, S] key scales in ``scale_dtype``."""
+        return scales_from_bits(self.stores[0].key_scales, self.stores[0].scale_dtype)
+
+    @property
+    def value_scales(self) -> Array:
+        """[L, B, H, S] value scales in ``scale_dtype``."""
+        return scales_from_bits(self.stores[0].value_scales, self.stores[0].scale_dtype)
+
     residual_keys = storage_field("residual_keys", "[L, B, H, R, D] exact recent keys.")
     residual_values = storage_field("residual_values", "[L, B, H, R, D].")
     residual_positions = storage_field("residual_positions", "int32[L, B, R].")

@@ -91,7 +91,7 @@ class QuantizedView(NamedTuple):
 
     keys: Array  # [L, B, H, S, D'] int8 (or uint8: two int4 per byte)
     values: Array  # [L, B, H, S, D']
-    key_scales: Array  # [L, B, H, S]
+    key_scales: Array  # [L, B, H, S], as stored (16-bit floats as uint16 bits)
     value_scales: Array  # [L, B, H, S]
     residual_keys: Array  # [B, H, R, D] in the model dtype
     residual_values: Array  # [B, H, R, D]
@@ -100,6 +100,7 @@ class QuantizedView(NamedTuple):
     lengths: Array  # int32[B]
     bits: int  # 8 or 4
     dtype: Any  # the model dtype
+    scale_dtype: Any  # the scales' dtype
 
     def residual_used(self) -> Array:
         """bool[B, R]: residual slots holding a stored token."""
@@ -107,10 +108,12 @@ class QuantizedView(NamedTuple):
         return (rp >= 0) & (rp < self.lengths[:, None])
 
     def dense(self) -> LayerView:
-        from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+        from jaxkv.caches.quantized import dequantize, scales_from_bits  # the codec lives with its storage
 
-        keys = dequantize(self.keys[self.layer], self.key_scales[self.layer], self.bits, self.dtype)
-        values = dequantize(self.values[self.layer], self.value_scales[self.layer], self.bits, self.dtype)
+        key_scales = scales_from_bits(self.key_scales[self.layer], self.scale_dtype)
+        value_scales = scales_from_bits(self.value_scales[self.layer], self.scale_dtype)
+        keys = dequantize(self.keys[self.layer], key_scales, self.bits, self.dtype)
+        values = dequantize(self.values[self.layer], value_scales, self.bits, self.dtype)
         if self.residual_keys.shape[2]:
             slot = jnp.where(self.residual_used(), self.residual_positions, keys.shape[2])
             rows = jnp.arange(keys.shape[0], dtype=jnp.int32)[:, None]
