@@ -46,6 +46,7 @@ def kinds(capacity: int) -> dict:
     static = dict(num_layers=LAYERS, max_length=capacity, **sizes)
     return {
         "static": lambda: StaticCache.init(**static),
+        "static, bfloat16 cache": lambda: StaticCache.init(dtype=jnp.bfloat16, **static),
         f"sliding (W={WINDOW})": lambda: SlidingWindowCache.init(num_layers=LAYERS, window=WINDOW, **sizes),
         "hybrid (full + sliding)": lambda: HybridCache.init(
             layer_types=[FULL, SLIDING], max_length=capacity, window=WINDOW, **sizes

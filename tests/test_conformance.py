@@ -35,7 +35,7 @@ from jaxkv.caches import (
     SlidingWindowCache,
     StaticCache,
 )
-from jaxkv.caches.quantized import scales_to_bits
+from jaxkv.caches._bits import to_bits
 from reference import ReferenceCache, crop_target
 
 L, B, H, HQ, D, S = 2, 3, 2, 4, 8, 12  # L != B: a mixed-up axis cannot pass
@@ -182,7 +182,7 @@ def poison_unused(cache):
             slots = jnp.arange(store.keys.shape[3])
             unused = (slots[None, None, :] >= lengths[:, :, None])[:, :, None, :, None]
         if store.keys.dtype in (jnp.int8, jnp.uint8):  # codes cannot be NaN: poison their scales
-            nan, inf = (scales_to_bits(jnp.asarray(x, store.scale_dtype)) for x in (jnp.nan, jnp.inf))
+            nan, inf = (to_bits(jnp.asarray(x), store.scale_dtype) for x in (jnp.nan, jnp.inf))
             return dataclasses.replace(
                 store,
                 key_scales=jnp.where(unused[..., 0], nan, store.key_scales),
@@ -457,3 +457,20 @@ def test_flax_serialization_round_trip(kind):
     chex.assert_trees_all_equal(back, cache)
     with pytest.raises(ValueError, match="was saved as"):  # another shape: a clear error, not garbage
         serialization.from_bytes(filled(kind).batch_select_indices(jnp.array([0])), serialization.to_bytes(cache))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_caches_are_written_in_place(dtype):
+    """XLA:CPU rewrites a whole bf16/f16 array around an in-place write; a 16-bit cache is
+    stored as its bits so that a decode step touches one slot, not the capacity."""
+    cache = StaticCache.init(num_layers=L, batch_size=B, num_kv_heads=H, head_dim=D, max_length=4096, dtype=dtype)
+    k = jnp.ones((B, H, 1, D), dtype)
+    step = jax.jit(lambda c, k: c.update(k, k, 1)[0], donate_argnums=0)
+    hlo = step.lower(cache, k).compile().as_text()
+    full = f"[{L},{B},{H},4096,{D}]"
+    # Before: f32 copies of the whole cache, converted there and back around the write.
+    assert not [line for line in hlo.splitlines() if f"f32{full}" in line or (" copy(" in line and full in line)]
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+    out = step(cache, k)
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(out)] == pointers
+    assert out.keys.dtype == jnp.dtype(dtype) and (out.keys[1, :, :, 0] == 1).all()

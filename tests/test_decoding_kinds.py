@@ -65,3 +65,18 @@ def test_serving_loop(model, reference, kind):
     done = loop.run([Request(prompt=tuple(p), max_new_tokens=N) for p in PROMPTS])
     for row, completion in enumerate(done):  # completions come back in request order
         np.testing.assert_array_equal(completion.tokens, reference[row])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_then_decode(model, reference, kind):
+    import jax.numpy as jnp
+
+    from jaxkv.decoding import chunked_prefill
+
+    cache = model.init_cache(2, 16, kind=kind)
+    last, cache = chunked_prefill(model, IDS, cache, chunk_size=4, prompt_lengths=LENGTHS)
+    tokens = [np.asarray(last.argmax(-1))]
+    for _ in range(N - 1):  # greedy decode on the prefilled cache, one token per row
+        logits, cache = model(jnp.asarray(tokens[-1])[:, None], cache)
+        tokens.append(np.asarray(logits[:, 0].argmax(-1)))
+    np.testing.assert_array_equal(np.stack(tokens, 1), reference)

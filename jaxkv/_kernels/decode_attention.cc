@@ -6,7 +6,7 @@
 // once each, split across XLA's intra-op thread pool, with the same visibility rule and
 // online softmax as the blockwise loop (jaxkv.attention.attend is the specification).
 //
-// Shapes: q [B, Hq, T, D] (f32/bf16), keys/values [L, B, H, S, D] (f32/bf16, same dtype),
+// Shapes: q [B, Hq, T, D] (f32/bf16), keys/values [L, B, H, S, D] (f32/bf16, or bf16 bits as u16; same dtype),
 // layer [] s32, q_pos [B, T] s32, kv_len [B] s32; out [B, Hq, T, D] in the dtype of q.
 // Slot s holds position s. A query at position p sees slot s when s < kv_len[b], s <= p and,
 // with a window W > 0, p - s < W. A query that sees nothing returns zeros.
@@ -428,8 +428,11 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
     return ffi::Error::InvalidArgument("jaxkv decode_attention: q " + dims_str(qd) + " does not fit keys " + dims_str(kd));
   }
   const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
-  if (!is_float(q.element_type()) || !is_float(keys.element_type()) || out->element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: queries and cache must be float32 or bfloat16, and the output the queries' dtype");
+  // A cache may hold bf16 as its uint16 bits (jaxkv stores 16-bit floats so, since XLA:CPU
+  // cannot update a bf16 array in place); the bytes are the same.
+  const bool kv_ok = is_float(keys.element_type()) || keys.element_type() == ffi::DataType::U16;
+  if (!is_float(q.element_type()) || !kv_ok || out->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("jaxkv decode_attention: queries and cache must be float32 or bfloat16 (the cache may be bfloat16 bits as uint16), and the output the queries' dtype");
   }
   if (q_pos.element_count() != size_t(pb.batch * pb.tokens) || kv_len.element_count() != size_t(pb.batch) ||
       layer.element_count() != 1) {
@@ -445,7 +448,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   pb.softcap = softcap;
   pb.q_pos = q_pos.typed_data();
   pb.kv_len = kv_len.typed_data();
-  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
+  const bool bf16 = keys.element_type() == ffi::DataType::BF16 || keys.element_type() == ffi::DataType::U16;
   const size_t kv_bytes = bf16 ? 2 : 4;
   const int64_t layer_elems = pb.batch * pb.kv_heads * pb.slots * pb.head_dim;
   pb.keys = static_cast<const char*>(keys.untyped_data()) + li * layer_elems * kv_bytes;

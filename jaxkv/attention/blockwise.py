@@ -44,6 +44,7 @@ implementations alike:
 from __future__ import annotations
 
 from functools import lru_cache, partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _kernels
+from jaxkv.caches._bits import from_bits, stored_dtype
 
 __all__ = ["blockwise_attend", "quantized_blockwise_attend"]
 
@@ -69,6 +71,7 @@ def blockwise_attend(
     scale: float | None = None,
     block_size: int | None = None,
     implementation: str = "auto",
+    kv_dtype: Any = None,
 ) -> jax.Array:  # [B, Hq, T, D]
     """Grouped-query attention that reads only the blocks holding visible tokens.
 
@@ -101,6 +104,9 @@ def blockwise_attend(
         it on its own shard (no gather; query heads must split like the kv heads). A program
         serialised with ``jax.export`` names the kernel's custom call, which only a process
         that has built it can run: export with ``JAXKV_CPU_KERNEL=0`` (or ``"xla"``).
+      kv_dtype: the float dtype ``keys``/``values`` hold when they are given as their uint16
+        bits (how jaxkv's contiguous storage keeps 16-bit floats: XLA:CPU cannot update a
+        bf16 array in place); None: the buffers' own dtype.
 
     Returns:
       [B, Hq, T, D] in the dtype of ``queries``; a query that sees nothing gets zeros.
@@ -140,14 +146,23 @@ def blockwise_attend(
         raise ValueError(f"blockwise_attend: block_size must be a positive int, got {block_size!r}.")
     if implementation not in ("auto", "xla", "kernel"):
         raise ValueError(f"blockwise_attend: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
+    kv_dtype = keys.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+    if keys.dtype != kv_dtype and (keys.dtype != jnp.uint16 or stored_dtype(kv_dtype) != keys.dtype):
+        raise ValueError(
+            f"blockwise_attend: keys of dtype {keys.dtype} cannot hold kv_dtype={kv_dtype}; kv_dtype names the "
+            "16-bit float a uint16 buffer holds as bits (jaxkv's contiguous storage), else leave it None."
+        )
     if scale is None:
         scale = head_dim**-0.5
     args = (queries, keys, values, jnp.asarray(layer_idx, jnp.int32), q_positions.astype(jnp.int32),
             kv_lengths.astype(jnp.int32))
-    xla = partial(_xla_loop, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size)
+    xla = partial(
+        _xla_loop, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size,
+        kv_dtype=kv_dtype,
+    )
     if implementation == "xla":
         return xla(*args)
-    why_not = _kernel_unsuitable(queries, keys)
+    why_not = _kernel_unsuitable(queries, kv_dtype)
     platform = _default_platform()
     if why_not is None and platform != "cpu":  # checked first: available() runs the compiler
         why_not = f"the default device is a {platform} device and the native kernel runs on CPU only"
@@ -187,13 +202,13 @@ def _default_platform() -> str:
 KERNEL_MAX_QUERIES = 16
 
 
-def _kernel_unsuitable(queries: jax.Array, keys: jax.Array) -> str | None:
+def _kernel_unsuitable(queries: jax.Array, kv_dtype: Any) -> str | None:
     if queries.shape[2] > KERNEL_MAX_QUERIES:
         return f"{queries.shape[2]} queries, the kernel takes at most {KERNEL_MAX_QUERIES}"
     supported = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    if queries.dtype not in supported or keys.dtype not in supported:
-        return f"dtypes {queries.dtype} (queries) and {keys.dtype} (cache); the kernel takes float32 and bfloat16"
-    return None
+    if queries.dtype not in supported or kv_dtype not in supported:
+        return f"dtypes {queries.dtype} (queries) and {kv_dtype} (cache); the kernel takes float32 and bfloat16"
+    return None  # bf16 may come as its uint16 bits: the kernel reads 16-bit rows as bf16 either way
 
 
 def _ffi_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
@@ -292,14 +307,17 @@ def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window,
     return call(queries, keys, values, layer, q_pos, kv_len)
 
 
-def _xla_loop(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size):
+def _xla_loop(
+    queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size, kv_dtype=None
+):
     """The blockwise loop in XLA ops (any platform, any dtype, differentiable forward)."""
     _, batch, num_kv_heads, num_slots, head_dim = keys.shape
+    kv_dtype = keys.dtype if kv_dtype is None else kv_dtype
 
     def read_block(offset, size):
         start_idx = (layer, 0, 0, offset, 0)
         shape = (1, batch, num_kv_heads, size, head_dim)
-        return jax.lax.dynamic_slice(keys, start_idx, shape)[0], jax.lax.dynamic_slice(values, start_idx, shape)[0]
+        return tuple(from_bits(jax.lax.dynamic_slice(x, start_idx, shape)[0], kv_dtype) for x in (keys, values))
 
     return _blockwise_loop(
         queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, sliding_window=sliding_window,
@@ -436,7 +454,7 @@ def quantized_blockwise_attend(
     kernel reads float buffers). Same contract, shapes and errors as
     :func:`blockwise_attend`.
     """
-    from jaxkv.caches.quantized import dequantize, scales_from_bits  # the codec lives with its storage
+    from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
 
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
@@ -465,7 +483,7 @@ def quantized_blockwise_attend(
             (view.keys, view.key_scales, view.residual_keys),
             (view.values, view.value_scales, view.residual_values),
         ):
-            block_scales = scales_from_bits(jax.lax.dynamic_slice(scales, scales_at, scales_shape)[0], view.scale_dtype)
+            block_scales = from_bits(jax.lax.dynamic_slice(scales, scales_at, scales_shape)[0], view.scale_dtype)
             block = dequantize(
                 jax.lax.dynamic_slice(codes, codes_at, codes_shape)[0], block_scales, view.bits, view.dtype
             )

@@ -68,6 +68,7 @@ def attend_view(
         return blockwise_attend(
             queries, view.keys, view.values, layer_idx=view.layer, q_positions=q_positions,
             kv_lengths=view.lengths, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
+            kv_dtype=view.dtype,
         )
     if isinstance(view, QuantizedView):
         return quantized_blockwise_attend(

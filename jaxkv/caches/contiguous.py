@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import register_dataclass
 
+from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
 from jaxkv.caches._checks import _check_sizes, _floating_dtype, _is_traced
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.dynamic import DynamicCache
@@ -40,7 +41,7 @@ def scatter_slots(buffer: Array, write_layer: Any, states: Array, slot: Array) -
     """Writes ``states`` [B, H, T, ...] into ``buffer`` [L, B, H, S, ...] at ``slot``
     int32[B, T]; out-of-range slots are dropped (``mode="drop"``), never clamped."""
     rows = jnp.arange(states.shape[0], dtype=jnp.int32)[:, None]
-    moved = jnp.moveaxis(states.astype(buffer.dtype), 2, 1)  # [B, T, H, ...]
+    moved = jnp.moveaxis(states.astype(buffer.dtype), 2, 1)  # [B, T, H, ...]; bits: already converted
     return buffer.at[write_layer, rows, :, slot].set(moved, mode="drop")
 
 
@@ -49,12 +50,15 @@ class ContiguousStorage:
     """Keys and values of every layer in two ``[L, B, H, S, D]`` buffers (slot = position).
 
     Attributes:
-      keys: [L, B, H, S, D] key buffer.
-      values: [L, B, H, S, D] value buffer.
+      keys: [L, B, H, S, D] key buffer, as stored: a 16-bit float dtype as its uint16
+        bits (:mod:`jaxkv.caches._bits`: XLA:CPU updates those in place, not bf16).
+      values: [L, B, H, S, D] value buffer, stored the same way.
+      dtype: static, the float dtype the buffers hold.
     """
 
     keys: Array
     values: Array
+    dtype: Any  # static
 
     LEAF_AXES: ClassVar[dict] = {
         "keys": ("layer", "batch", "heads", "seq", "dim"),
@@ -64,23 +68,24 @@ class ContiguousStorage:
     @classmethod
     def zeros(cls, num_layers, batch_size, num_kv_heads, head_dim, max_length, dtype) -> ContiguousStorage:
         shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros(shape, stored_dtype(dtype)), jnp.zeros(shape, stored_dtype(dtype)), jnp.dtype(dtype))
 
     num_layers = property(lambda self: self.keys.shape[0])
     num_kv_heads = property(lambda self: self.keys.shape[2])
     capacity = property(lambda self: self.keys.shape[3])
     head_dim = property(lambda self: self.keys.shape[4])
-    dtype = property(lambda self: self.keys.dtype)
 
     def write(self, read_layer, write_layer, layer_ok, keys, values, old, count):
         del read_layer, layer_ok  # a bad layer writes at `write_layer` == L: dropped
         slot = token_slots(old, count, keys.shape[2], self.capacity)
-        return ContiguousStorage(
-            scatter_slots(self.keys, write_layer, keys, slot), scatter_slots(self.values, write_layer, values, slot)
+        return dataclasses.replace(
+            self,
+            keys=scatter_slots(self.keys, write_layer, to_bits(keys, self.dtype), slot),
+            values=scatter_slots(self.values, write_layer, to_bits(values, self.dtype), slot),
         ), None
 
     def view(self, layer: Any, lengths: Array) -> ContiguousView:
-        return ContiguousView(self.keys, self.values, layer, lengths)
+        return ContiguousView(self.keys, self.values, layer, lengths, self.dtype)
 
     def crop(self, old: Array, new: Array, **_: Any):
         return self, jnp.zeros(new.shape, bool)
@@ -89,7 +94,7 @@ class ContiguousStorage:
         return self
 
 
-register_dataclass(ContiguousStorage, data_fields=["keys", "values"], meta_fields=[])
+register_dataclass(ContiguousStorage, data_fields=["keys", "values"], meta_fields=["dtype"])
 
 
 class StaticCache(KVCache):
@@ -212,8 +217,16 @@ class StaticCache(KVCache):
 
     # ---- the storage's buffers, by their familiar names
 
-    keys = storage_field("keys", "[L, B, H, S, D] key buffer.")
-    values = storage_field("values", "[L, B, H, S, D] value buffer.")
+    @property
+    def keys(self) -> Array:
+        """[L, B, H, S, D] key buffer (a bitcast of the stored bits for a 16-bit dtype)."""
+        return from_bits(self.stores[0].keys, self.stores[0].dtype)
+
+    @property
+    def values(self) -> Array:
+        """[L, B, H, S, D] value buffer."""
+        return from_bits(self.stores[0].values, self.stores[0].dtype)
+
     max_length = storage_field("capacity", "The capacity S.")
 
     def get_max_length(self) -> int:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import register_dataclass
 
+from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
 from jaxkv.caches._checks import _check_sizes, _floating_dtype, _static_int
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.contiguous import scatter_slots, token_slots
@@ -104,22 +105,6 @@ def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) 
     return (values * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
-def scales_to_bits(scales: Array) -> Array:
-    """Scales as stored: a 16-bit float's bit pattern (uint16), any other dtype as is.
-
-    XLA:CPU cannot update a bf16/f16 array in place: it converts the whole array to f32
-    and back around every write (measured: a one-token write into a 32K-slot bf16 buffer
-    costs 150x one into a 1K buffer). Integer buffers are updated in place, so 16-bit
-    scales are kept as their bits and turned back into floats one block at a time.
-    """
-    return jax.lax.bitcast_convert_type(scales, jnp.uint16) if scales.dtype.itemsize == 2 else scales
-
-
-def scales_from_bits(stored: Array, scale_dtype: Any) -> Array:
-    """Inverse of :func:`scales_to_bits`."""
-    return jax.lax.bitcast_convert_type(stored, scale_dtype) if stored.dtype == jnp.uint16 else stored
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantizedStorage:
     """int8/int4 codes with per-token, per-head scales, and a full-precision residual ring.
@@ -128,7 +113,7 @@ class QuantizedStorage:
       keys: [L, B, H, S, D'] quantized keys (int8, or uint8 holding two int4 values).
       values: [L, B, H, S, D'] quantized values.
       key_scales: [L, B, H, S] per-token, per-head key scales (``scale_dtype``; a 16-bit
-        float is stored as its uint16 bits, see :func:`scales_to_bits`).
+        float is stored as its uint16 bits, see :mod:`jaxkv.caches._bits`).
       value_scales: [L, B, H, S] value scales, stored the same way.
       residual_keys: [L, B, H, R, D] the last R written keys in the model dtype; the token
         at position ``p`` is in slot ``p % R``.
@@ -171,8 +156,8 @@ class QuantizedStorage:
         return cls(
             keys=jnp.zeros(stored, qdtype),
             values=jnp.zeros(stored, qdtype),
-            key_scales=scales_to_bits(jnp.zeros((*lead, max_length), scale_dtype)),
-            value_scales=scales_to_bits(jnp.zeros((*lead, max_length), scale_dtype)),
+            key_scales=jnp.zeros((*lead, max_length), stored_dtype(scale_dtype)),
+            value_scales=jnp.zeros((*lead, max_length), stored_dtype(scale_dtype)),
             residual_keys=jnp.zeros(residual, dtype),
             residual_values=jnp.zeros(residual, dtype),
             residual_positions=jnp.full((num_layers, batch_size, residual_length), -1, jnp.int32),
@@ -197,8 +182,8 @@ class QuantizedStorage:
             self,
             keys=scatter_slots(self.keys, write_layer, kq, slot),
             values=scatter_slots(self.values, write_layer, vq, slot),
-            key_scales=scatter_slots(self.key_scales, write_layer, scales_to_bits(ks), slot),
-            value_scales=scatter_slots(self.value_scales, write_layer, scales_to_bits(vs), slot),
+            key_scales=scatter_slots(self.key_scales, write_layer, to_bits(ks, self.scale_dtype), slot),
+            value_scales=scatter_slots(self.value_scales, write_layer, to_bits(vs, self.scale_dtype), slot),
         )
         if r:
             # The last R stored tokens of each row; distinct slots, so no scatter collisions.
@@ -307,12 +292,12 @@ class QuantizedCache(KVCache):
     @property
     def key_scales(self) -> Array:
         """[L, B, H, S] key scales in ``scale_dtype``."""
-        return scales_from_bits(self.stores[0].key_scales, self.stores[0].scale_dtype)
+        return from_bits(self.stores[0].key_scales, self.stores[0].scale_dtype)
 
     @property
     def value_scales(self) -> Array:
         """[L, B, H, S] value scales in ``scale_dtype``."""
-        return scales_from_bits(self.stores[0].value_scales, self.stores[0].scale_dtype)
+        return from_bits(self.stores[0].value_scales, self.stores[0].scale_dtype)
 
     residual_keys = storage_field("residual_keys", "[L, B, H, R, D] exact recent keys.")
     residual_values = storage_field("residual_values", "[L, B, H, R, D].")

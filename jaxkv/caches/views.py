@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxkv.caches._bits import from_bits
+
 Array = jax.Array
 
 __all__ = ["NO_POSITION", "ContiguousView", "LayerView", "QuantizedView"]
@@ -65,15 +67,21 @@ def _filled_positions(lengths: Array, num_slots: int) -> Array:
 
 
 class ContiguousView(NamedTuple):
-    """One layer of stacked ``[L, B, H, S, D]`` buffers where slot ``s`` holds position ``s``."""
+    """One layer of stacked ``[L, B, H, S, D]`` buffers where slot ``s`` holds position ``s``.
+
+    ``keys``/``values`` are the buffers as stored: a 16-bit float as its uint16 bits
+    (:mod:`jaxkv.caches._bits`); ``dtype`` says what they hold.
+    """
 
     keys: Array  # [L, B, H, S, D], the whole stacked buffer
     values: Array  # [L, B, H, S, D]
     layer: Any  # int or traced int32: the layer to read
     lengths: Array  # int32[B]: filled slots per row
+    dtype: Any  # the float dtype the buffers hold
 
     def dense(self) -> LayerView:
-        return LayerView(self.keys[self.layer], self.values[self.layer], None, self.lengths, None)
+        keys, values = (from_bits(x[self.layer], self.dtype) for x in (self.keys, self.values))
+        return LayerView(keys, values, None, self.lengths, None)
 
     def slot_positions(self) -> Array:
         """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
@@ -108,10 +116,10 @@ class QuantizedView(NamedTuple):
         return (rp >= 0) & (rp < self.lengths[:, None])
 
     def dense(self) -> LayerView:
-        from jaxkv.caches.quantized import dequantize, scales_from_bits  # the codec lives with its storage
+        from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
 
-        key_scales = scales_from_bits(self.key_scales[self.layer], self.scale_dtype)
-        value_scales = scales_from_bits(self.value_scales[self.layer], self.scale_dtype)
+        key_scales = from_bits(self.key_scales[self.layer], self.scale_dtype)
+        value_scales = from_bits(self.value_scales[self.layer], self.scale_dtype)
         keys = dequantize(self.keys[self.layer], key_scales, self.bits, self.dtype)
         values = dequantize(self.values[self.layer], value_scales, self.bits, self.dtype)
         if self.residual_keys.shape[2]:

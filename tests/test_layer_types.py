@@ -1,0 +1,47 @@
+"""One rule decides which layers slide: the model config and the cache agree.
+
+``LlamaConfig.from_hf`` (the model) and ``HybridCache.from_config`` (the cache) both go
+through ``jaxkv.models.layer_types_from_config``. Each case states what transformers' own
+config class and attention do with it.
+"""
+
+import pytest
+
+from jaxkv.caches import FULL, SLIDING, HybridCache
+from jaxkv.models import LlamaConfig, layer_types_from_config
+
+BASE = dict(num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64)
+CASES = [
+    # Llama's attention has no window: transformers ignores a sliding_window key there.
+    (dict(model_type="llama", architectures=["LlamaForCausalLM"], sliding_window=4), (FULL,) * 3, None),
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4), (SLIDING,) * 3, 4),
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), (FULL,) * 3, None),
+    # Qwen2: without use_sliding_window the window is None, whatever layer_types says.
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4, max_window_layers=1,
+          layer_types=[FULL, SLIDING, SLIDING]), (FULL,) * 3, None),
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4, max_window_layers=1,
+          use_sliding_window=True), (FULL, SLIDING, SLIDING), 4),
+    (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], sliding_window=4, use_sliding_window=True,
+          layer_types=[SLIDING, FULL, SLIDING]), (SLIDING, FULL, SLIDING), 4),
+    # model_type absent: the architecture names it.
+    (dict(architectures=["MistralForCausalLM"], sliding_window=2), (SLIDING,) * 3, 2),
+]
+
+
+@pytest.mark.parametrize("extra, types, window", CASES)
+def test_model_config_and_cache_agree(extra, types, window):
+    hf = {**BASE, **extra}
+    assert layer_types_from_config(hf) == (types, window)
+    config = LlamaConfig.from_hf(hf, source="config.json")
+    assert config.sliding_layers == tuple(t == SLIDING for t in types) and config.sliding_window == window
+    if window is not None:
+        assert HybridCache.from_config(hf, batch_size=1, max_length=8).layer_types == types
+
+
+def test_unknown_pattern_is_refused_by_both():
+    hf = {**BASE, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4}
+    with pytest.raises(ValueError, match="Pass layer_types"):
+        layer_types_from_config(hf)
+    with pytest.raises(ValueError, match="Pass layer_types"):
+        HybridCache.from_config(hf, batch_size=1, max_length=8)
