@@ -27,8 +27,9 @@ demo: $(STAMP_BASE)
 demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
+# Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
 test: $(STAMP_TEST)
-	$(PY) -m pytest -q tests --nbmake notebooks
+	$(PY) -m pytest -q -n 2 tests --nbmake notebooks
 
 # Every benchmark, each printing its table and writing benchmarks/results/*.json.
 bench: $(STAMP_TEST)

@@ -11,7 +11,10 @@ each figure is the best round's median.
 Goal (issue 12): every kind within 1.3x from 1K to 32K.
 
     python benchmarks/bench_capacity.py [--fill 512] [--capacities 1024 32768] [--repeats 15]
-        [--rounds 3] [--json benchmarks/results/capacity.json]
+        [--rounds 3] [--kinds static int8 ...] [--json benchmarks/results/capacity.json]
+
+To measure an earlier version of the package with this script (as the README's "before"
+figures were): ``git worktree add /tmp/old <commit>`` and run with ``PYTHONPATH=/tmp/old``.
 """
 
 from __future__ import annotations
@@ -89,13 +92,14 @@ def main() -> None:
     parser.add_argument("--capacities", type=int, nargs=2, default=[1024, 32768])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", nargs="*", help="only these kinds (names as printed)")
     parser.add_argument("--json", default="benchmarks/results/capacity.json")
     args = parser.parse_args()
     small, large = args.capacities
     x = jax.random.normal(jax.random.key(1), (BATCH, Q_HEADS, 1, HEAD_DIM), jnp.float32)
 
     results = {}
-    for name in kinds(small):
+    for name in args.kinds or kinds(small):
         states, steps = {}, {}
         for cap in (small, large):
             states[cap] = {"cache": prefilled(kinds(cap)[name], args.fill)}
