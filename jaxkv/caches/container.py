@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
 
+from jaxkv.caches._bits import from_bits
 from jaxkv.caches._checks import (
     INVALID,
     OVERFLOW,
@@ -479,10 +480,14 @@ class KVCache:
 register_dataclass(KVCache, data_fields=list(KVCache._data_fields), meta_fields=list(KVCache._meta_fields))
 
 
-def storage_field(name: str, doc: str) -> property:
+def storage_field(name: str, doc: str, *, dtype_of: str | None = None) -> property:
     """A kind's read-only attribute that is a field of its (single) storage, e.g.
-    ``StaticCache.keys`` is ``cache.stores[0].keys``."""
-    return property(lambda self: getattr(self.stores[0], name), doc=doc)
+    ``StaticCache.keys`` is ``cache.stores[0].keys``. With ``dtype_of``, the field is a
+    buffer that may be stored as bits (:mod:`jaxkv.caches._bits`) and the attribute returns
+    it as the dtype named by that storage field."""
+    if dtype_of is None:
+        return property(lambda self: getattr(self.stores[0], name), doc=doc)
+    return property(lambda self: from_bits(getattr(self.stores[0], name), getattr(self.stores[0], dtype_of)), doc=doc)
 
 
 def check_cache(cache: Any, who: str) -> Any:

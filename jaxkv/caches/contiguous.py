@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import register_dataclass
 
-from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
+from jaxkv.caches._bits import stored_dtype, to_bits
 from jaxkv.caches._checks import _check_sizes, _floating_dtype, _is_traced
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.dynamic import DynamicCache
@@ -217,15 +217,8 @@ class StaticCache(KVCache):
 
     # ---- the storage's buffers, by their familiar names
 
-    @property
-    def keys(self) -> Array:
-        """[L, B, H, S, D] key buffer (a bitcast of the stored bits for a 16-bit dtype)."""
-        return from_bits(self.stores[0].keys, self.stores[0].dtype)
-
-    @property
-    def values(self) -> Array:
-        """[L, B, H, S, D] value buffer."""
-        return from_bits(self.stores[0].values, self.stores[0].dtype)
+    keys = storage_field("keys", "[L, B, H, S, D] key buffer (16-bit dtypes: from the stored bits).", dtype_of="dtype")
+    values = storage_field("values", "[L, B, H, S, D] value buffer.", dtype_of="dtype")
 
     max_length = storage_field("capacity", "The capacity S.")
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import register_dataclass
 
-from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
+from jaxkv.caches._bits import stored_dtype, to_bits
 from jaxkv.caches._checks import _check_sizes, _floating_dtype, _static_int
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.contiguous import scatter_slots, token_slots
@@ -289,15 +289,8 @@ class QuantizedCache(KVCache):
 
     keys = storage_field("keys", "[L, B, H, S, D'] quantized keys.")
     values = storage_field("values", "[L, B, H, S, D'] quantized values.")
-    @property
-    def key_scales(self) -> Array:
-        """[L, B, H, S] key scales in ``scale_dtype``."""
-        return from_bits(self.stores[0].key_scales, self.stores[0].scale_dtype)
-
-    @property
-    def value_scales(self) -> Array:
-        """[L, B, H, S] value scales in ``scale_dtype``."""
-        return from_bits(self.stores[0].value_scales, self.stores[0].scale_dtype)
+    key_scales = storage_field("key_scales", "[L, B, H, S] key scales in scale_dtype.", dtype_of="scale_dtype")
+    value_scales = storage_field("value_scales", "[L, B, H, S] value scales.", dtype_of="scale_dtype")
 
     residual_keys = storage_field("residual_keys", "[L, B, H, R, D] exact recent keys.")
     residual_values = storage_field("residual_values", "[L, B, H, R, D].")
