@@ -10,3 +10,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("explore", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # The transformers references run torch on this 2-core machine beside pytest's other
+    # worker and XLA's own threads: with its default thread count a tiny generate took
+    # 16-18 s instead of 0.1 s. Set once torch has been imported by a test.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield
