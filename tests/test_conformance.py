@@ -367,8 +367,13 @@ def test_donated_decode_step_compiles_once_and_copies_nothing(kind):
         cache = jitted(cache, k)
         assert all(x.is_deleted() for x in jax.tree.leaves(old))
     assert len(traces) == 1  # another fill level is the same program
-    # Every buffer was written in place: XLA aliased each donated leaf to its output.
+    # Every buffer was written in place: XLA aliased each donated leaf to its output...
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)] == pointers
+    # ...and the program copies none of them on the way (a pass-through cond, a slice then
+    # concatenate, a bf16 round trip would show up as a copy of a cache-sized buffer).
+    hlo = jitted.lower(cache, k).compile().as_text()
+    big = {"[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(cache) if x.ndim >= 4}
+    assert not [line for line in hlo.splitlines() if " copy(" in line and any(shape in line for shape in big)]
 
 
 @kinds
@@ -397,6 +402,18 @@ def test_traced_bad_indices_empty_the_row_and_flag_it(kind):
     np.testing.assert_array_equal((np.asarray(out.flags) & INVALID) != 0, [True, False, False])
     with pytest.raises(CacheError, match=r"rows \[0\] got an out-of-range index"):
         out.check()
+
+
+@kinds
+def test_traced_bad_layer_or_num_new_writes_nothing_and_flags(kind):
+    cache, k = filled(kind), jnp.ones((B, H, 2, D))
+    if kind != "hybrid":  # a hybrid cache takes static layer indices only
+        out = jax.jit(lambda c, i: c.update(k, k, i)[0])(cache, jnp.int32(L))
+        np.testing.assert_array_equal(lengths_of(out), lengths_of(cache))
+        assert ((np.asarray(out.flags) & INVALID) != 0).all()
+    out = jax.jit(lambda c, n: c.update(k, k, 1, num_new=n)[0])(cache, jnp.array([1, 3, -1], jnp.int32))
+    np.testing.assert_array_equal(out.seq_lengths(1), [4, 2, 1])  # bad counts write nothing
+    np.testing.assert_array_equal((np.asarray(out.flags) & INVALID) != 0, [False, True, True])
 
 
 def test_dynamic_cache_bad_traced_row_is_nan_not_a_wrapped_row():
