@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["from_state_dict", "register_flax_serialization", "to_state_dict"]
@@ -53,7 +54,7 @@ def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
                 f"{leaf.dtype}{list(leaf.shape)}; build the target with the same sizes and dtype."
             )
         sharding = getattr(leaf, "sharding", None)
-        out.append(jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value))
+        out.append(jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

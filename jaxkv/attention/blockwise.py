@@ -136,14 +136,7 @@ def blockwise_attend(
             f"blockwise_attend: q_positions must be [{batch}, {num_tokens}] and kv_lengths [{batch}], "
             f"got {q_positions.shape} and {kv_lengths.shape}."
         )
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"blockwise_attend: sliding_window must be a positive int, got {sliding_window!r}.")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"blockwise_attend: logit_softcap must be positive or None, got {logit_softcap!r}.")
-    if block_size is None:
-        block_size = 512 if queries.shape[2] <= 16 else 128
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"blockwise_attend: block_size must be a positive int, got {block_size!r}.")
+    block_size = _loop_options("blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     if implementation not in ("auto", "xla", "kernel"):
         raise ValueError(f"blockwise_attend: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
     kv_dtype = keys.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
@@ -186,6 +179,20 @@ def blockwise_attend(
         return jax.jvp(xla, primals, tangents)
 
     return attend_(*args)
+
+
+def _loop_options(who: str, num_tokens: int, sliding_window, logit_softcap, block_size) -> int:
+    """Checks the options both blockwise entries share; returns the block size (default:
+    512 slots for up to 16 queries, 128 for prefill chunks; see ``blockwise_attend``)."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{who}: sliding_window must be a positive int, got {sliding_window!r}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"{who}: logit_softcap must be positive or None, got {logit_softcap!r}.")
+    if block_size is None:
+        block_size = 512 if num_tokens <= 16 else 128
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{who}: block_size must be a positive int, got {block_size!r}.")
+    return block_size
 
 
 def _default_platform() -> str:
@@ -465,12 +472,7 @@ def quantized_blockwise_attend(
         )
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"quantized_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"quantized_blockwise_attend: sliding_window must be a positive int, got {sliding_window!r}.")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"quantized_blockwise_attend: logit_softcap must be positive or None, got {logit_softcap!r}.")
-    if block_size is None:
-        block_size = 512 if num_tokens <= 16 else 128
+    block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     layer = jnp.asarray(view.layer, jnp.int32)
     rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
     residual_used = view.residual_used()  # [B, R]

@@ -207,14 +207,12 @@ class DynamicCache:
             )
         m = max(-_INT32_MAX, min(_INT32_MAX, m))  # clamp, never wrap
 
-        def keep(n: int) -> int:
-            return min(n, m) if m > 0 else max(n + m, 0)
+        def cropped(layer):
+            n = layer[0].shape[2]
+            keep = min(n, m) if m > 0 else max(n + m, 0)
+            return layer[0][:, :, :keep], layer[1][:, :, :keep]
 
-        layers = tuple(
-            None if layer is None else (layer[0][:, :, : keep(layer[0].shape[2])], layer[1][:, :, : keep(layer[0].shape[2])])
-            for layer in self.layers
-        )
-        return DynamicCache(layers)
+        return DynamicCache(tuple(None if layer is None else cropped(layer) for layer in self.layers))
 
     # ---- the cache protocol (what attention and the models call)
 

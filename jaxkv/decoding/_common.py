@@ -73,6 +73,3 @@ def check_token_id(value: Any, name: str, vocab_size: int, who: str) -> int | No
         raise ValueError(f"{who}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
     return int(value)
 
-
-def vocab_size(model: nnx.Module) -> int:
-    return int(model.config.vocab_size)
