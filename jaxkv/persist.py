@@ -1,0 +1,807 @@
+"""Saving caches to disk and loading them back: whole caches, and one sequence's prompt state.
+
+Whole caches (any kind, any pytree of arrays):
+
+* :func:`save_cache` ``(path, cache)`` writes one safetensors file: every array leaf by its
+  pytree path, plus a JSON header (key ``"jaxkv"``) with the format version, the kind, a
+  description of the tree structure (node types and their static metadata: sizes, dtypes,
+  layer layout) and, per leaf, its dtype, shape and CRC-32. Nothing in the format is
+  specific to a kind: a new kind saves and loads as long as its static metadata are plain
+  values (ints, strings, tuples, dtypes, a sharding).
+* ``save_cache(path, cache, format="orbax")`` writes an Orbax checkpoint directory (the
+  arrays through tensorstore, each process writing its own shards) with the same JSON
+  description beside them. :func:`load_cache` restores it onto any mesh or device count:
+  pass ``sharding=`` (the one-layer ``[B, H, S, D]`` ``NamedSharding`` that the kinds'
+  ``init`` takes, over the new mesh) or ``like=`` (a cache, or ``jax.eval_shape`` of
+  one, whose leaves carry the target shardings).
+* :func:`load_cache` ``(path, like=None, sharding=None)`` reads either. With ``like`` the
+  kind, the structure and every leaf's shape and dtype must match; otherwise the saved
+  description rebuilds the cache by itself.
+
+Per-sequence prompt state (llama.cpp's session files are the model):
+
+* :func:`save_sequence` stores one row: only its filled part (every axis a storage names
+  ``"seq"`` is cut to the row's length; rings keep their slots), its token ids, the cache
+  dtype and a :func:`model_fingerprint` (hash of the model config and weights).
+* :func:`load_sequence` writes it into a row of a cache of the same kind and layout, of any
+  capacity and batch size, and returns ``(cache, k)``: the tokens restored, the common
+  prefix of the stored ids and the prompt's (see its docstring).
+
+Writes are atomic (a temporary file renamed into place), so a crash never leaves a
+truncated file under the name; a truncated or corrupt file, a mismatched model, dtype, kind
+or shape is a :class:`CacheFileError` naming the file and what differs.
+
+Dependencies: jax and numpy; safetensors for files, orbax-checkpoint for directories, both
+imported only when used (``pip install jaxkv[persist]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.caches._checks import INVALID
+from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CacheFileError",
+    "PromptCacheStream",
+    "load_cache",
+    "load_sequence",
+    "model_fingerprint",
+    "save_cache",
+    "save_sequence",
+]
+
+#: Version of the file layout; a file of another version is refused with a clear error.
+FORMAT_VERSION = 1
+_HEADER_KEY = "jaxkv"
+_CACHE, _SEQUENCE = "jaxkv.cache", "jaxkv.sequence"
+_TOKEN_IDS = "__token_ids__"
+# dtypes the safetensors numpy API writes as they are; any other (bfloat16, float8, int4)
+# goes to the file as unsigned integers of its width and is viewed back on load.
+_NATIVE = frozenset(
+    np.dtype(t) for t in (bool, np.int8, np.uint8, np.int16, np.uint16, np.float16, np.int32, np.uint32,
+                          np.float32, np.int64, np.uint64, np.float64)
+)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class CacheFileError(ValueError):
+    """A cache file that cannot be used: missing, truncated, corrupt, another format version,
+    or made for another model, dtype, kind or shape. The message starts with the path."""
+
+
+# --------------------------------------------------------------------------- tree description
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+_BUILTIN_NODES = {"builtins:tuple": tuple, "builtins:list": list, "builtins:dict": dict, "builtins:NoneType": type(None)}
+
+
+def _resolve_type(name: str, where: str) -> type:
+    """The class a description names. Only pytree node types of jaxkv or of modules already
+    imported are resolved: a file never makes this process import anything else."""
+    if name in _BUILTIN_NODES:
+        return _BUILTIN_NODES[name]
+    module, _, qualname = name.partition(":")
+    if module not in sys.modules and not module.startswith("jaxkv."):
+        raise CacheFileError(f"{where}: the file names type {name!r} from a module that is not imported; import it first.")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        raise CacheFileError(f"{where}: the file names type {name!r}, which this jaxkv does not define.") from None
+    if not isinstance(obj, type):
+        raise CacheFileError(f"{where}: {name!r} is not a class.")
+    return obj
+
+
+def _encode_static(value: Any, where: str) -> Any:
+    """A JSON value for a piece of static metadata (tagged so that it decodes to an equal value)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"tuple": [_encode_static(v, where) for v in value]}
+    if isinstance(value, list):
+        return {"list": [_encode_static(v, where) for v in value]}
+    if isinstance(value, np.dtype):
+        return {"dtype": value.name}
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return {"scalar_type": np.dtype(value).name}
+    if isinstance(value, NamedSharding):
+        # Live devices cannot be stored; the layout is restored onto the mesh the loader gives.
+        mesh = value.mesh
+        return {"sharding": {"axis_names": list(mesh.axis_names), "mesh_shape": list(mesh.devices.shape),
+                             "spec": [list(a) if isinstance(a, tuple) else a for a in value.spec]}}
+    raise TypeError(
+        f"save_cache: cannot describe the static metadata {value!r} (type {type(value).__name__}) of {where}; "
+        "static fields must be ints, floats, strings, tuples, dtypes or a NamedSharding."
+    )
+
+
+def _decode_static(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        (tag, value), = obj.items()
+        if tag == "tuple":
+            return tuple(_decode_static(v) for v in value)
+        if tag == "list":
+            return [_decode_static(v) for v in value]
+        if tag == "dtype":
+            return jnp.dtype(value)
+        if tag == "scalar_type":
+            return jnp.dtype(value).type
+        if tag == "sharding":
+            return None  # the loader supplies the new layout (sharding= or like=)
+        raise ValueError(f"unknown static tag {tag!r}")
+    return obj
+
+
+def _describe(treedef: Any, where: str = "cache") -> Any:
+    """A JSON description of a treedef: ``None`` for a leaf, else ``[type, static, children]``."""
+    data = treedef.node_data()
+    if data is None:
+        return None
+    cls, aux = data
+    children = [_describe(c, f"{where} > {cls.__name__}") for c in treedef.children()]
+    return [_type_name(cls), _encode_static(aux, f"{where} > {cls.__name__}"), children]
+
+
+def _rebuild(desc: Any, where: str) -> Any:
+    """The treedef a description names (static shardings become None)."""
+    if desc is None:
+        return jax.tree.structure(0)
+    try:
+        name, aux, children = desc
+        cls = _resolve_type(name, where)
+        node = (cls, _decode_static(aux))
+        kids = [_rebuild(c, where) for c in children]
+        return jax.tree_util.PyTreeDef.from_node_data_and_children(jax.tree_util.default_registry, node, kids)
+    except CacheFileError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise CacheFileError(f"{where}: the file's tree description is malformed ({err}).") from None
+
+
+def _strip_sharding(tree: Any) -> Any:
+    """``tree`` with every cache's static sharding set to None (layouts may differ)."""
+    def strip(x):
+        return dataclasses.replace(x, sharding=None) if isinstance(x, KVCache) else x
+
+    return jax.tree.map(strip, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def _difference(saved: Any, target: Any, path: str = "") -> str | None:
+    """Where two tree descriptions first differ, in words (None if they agree)."""
+    if saved is None or target is None:
+        return None if saved is target else f"{path or 'the cache'}: one holds an array where the other holds a node"
+    (s_type, s_aux, s_kids), (t_type, t_aux, t_kids) = saved, target
+    here = path or "the cache"
+    if s_type != t_type:
+        return f"{here}: the file holds a {s_type.split(':')[-1]}, the target is a {t_type.split(':')[-1]}"
+    if s_aux != t_aux:
+        return (f"{here} ({s_type.split(':')[-1]}): static metadata differ: the file has "
+                f"{_decode_static(s_aux)!r}, the target {_decode_static(t_aux)!r}")
+    if len(s_kids) != len(t_kids):
+        return f"{here}: the file has {len(s_kids)} children, the target {len(t_kids)}"
+    for i, (s, t) in enumerate(zip(s_kids, t_kids)):
+        found = _difference(s, t, f"{here}[{i}]")
+        if found:
+            return found
+    return None
+
+
+def _leaf_names(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _kind(tree: Any) -> str:
+    return type(tree).__name__
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _require(module: str, extra: str = "persist") -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(
+            f"jaxkv.persist needs {module.split('.')[0]} for this: pip install 'jaxkv[{extra}]'"
+        ) from None
+
+
+def _host(x: Any, path: str) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise CacheFileError(
+            f"{path}: the cache spans several processes; save it with format='orbax' (each process writes its shards)."
+        )
+    return np.asarray(x)
+
+
+def _file_array(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a if a.dtype in _NATIVE else a.view(_UINT[a.dtype.itemsize])
+
+
+def _crc(a: np.ndarray) -> int:
+    return zlib.crc32(a.reshape(-1).view(np.uint8)) if a.size else 0
+
+
+def _leaf_meta(name: str, a: np.ndarray) -> dict:
+    return {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}
+
+
+def _atomic_target(path: str) -> tuple[str, str]:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CacheFileError(f"{path}: the directory {directory} does not exist.")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    return directory, tmp
+
+
+def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.ndarray] | None = None) -> None:
+    st = _require("safetensors.numpy")
+    path = os.fspath(path)
+    leaves, treedef = jax.tree.flatten(tree)
+    names = _leaf_names(tree)
+    arrays, described = {}, []
+    for name, leaf in zip(names, leaves):
+        a = _host(leaf, path)
+        stored = _file_array(a)
+        arrays[name] = stored
+        described.append(_leaf_meta(name, a) | {"crc32": _crc(stored)})
+    for name, a in (extra or {}).items():
+        arrays[name] = _file_array(a)
+    header = {"format": header.pop("format"), "version": FORMAT_VERSION, "kind": _kind(tree),
+              "tree": _describe(treedef, path), "leaves": described} | header
+    _, tmp = _atomic_target(path)
+    try:
+        st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(header)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _check_header(path: str, header: Any, expected: str) -> dict:
+    if not isinstance(header, dict) or "format" not in header:
+        raise CacheFileError(f"{path}: not a jaxkv file (no jaxkv header).")
+    if header["format"] != expected:
+        what = {_CACHE: "a whole cache (load_cache)", _SEQUENCE: "one sequence (load_sequence)"}
+        raise CacheFileError(
+            f"{path}: this file holds {what.get(header['format'], header['format'])}, not "
+            f"{what.get(expected, expected)}."
+        )
+    if header.get("version") != FORMAT_VERSION:
+        raise CacheFileError(
+            f"{path}: format version {header.get('version')!r}; this jaxkv reads version {FORMAT_VERSION}."
+        )
+    return header
+
+
+def _read_safetensors(path: str, expected: str) -> tuple[dict, list[np.ndarray], dict[str, np.ndarray]]:
+    """``(header, leaves, extra arrays)`` of a jaxkv safetensors file, every checksum verified."""
+    safetensors = _require("safetensors")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CacheFileError(f"{path}: no such file.")
+    if os.path.isdir(path):
+        raise CacheFileError(f"{path}: a directory; Orbax checkpoints are read by load_cache.")
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            raw = (f.metadata() or {}).get(_HEADER_KEY)
+            names = set(f.keys())
+            header = _check_header(path, json.loads(raw) if raw else None, expected)
+            leaves = []
+            for leaf in header["leaves"]:
+                if leaf["name"] not in names:
+                    raise CacheFileError(f"{path}: array {leaf['name']!r} is missing; the file is damaged.")
+                stored = f.get_tensor(leaf["name"])
+                if _crc(stored) != leaf["crc32"]:
+                    raise CacheFileError(
+                        f"{path}: array {leaf['name']!r} fails its checksum; the file is corrupt. Save it again."
+                    )
+                leaves.append(stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"]))
+            extra = {n: f.get_tensor(n) for n in names if n.startswith("__")}
+    except CacheFileError:
+        raise
+    except (safetensors.SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as err:
+        raise CacheFileError(f"{path}: truncated or corrupt cache file ({err}).") from None
+    return header, leaves, extra
+
+
+# --------------------------------------------------------------------------- shardings
+
+
+def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> list[Any]:
+    """Per leaf: where the loaded array goes (None: the default device)."""
+    leaves = jax.tree.leaves(abstract)
+    if like is not None:
+        return [getattr(x, "sharding", None) for x in jax.tree.leaves(like)]
+    if sharding is None:
+        return [None] * len(leaves)
+    if isinstance(sharding, NamedSharding):
+        def place(node):
+            if isinstance(node, KVCache):
+                return _tree_shardings(node, sharding.mesh, _one_layer_spec(sharding, node._name))
+            return NamedSharding(sharding.mesh, P())  # anything else: replicated over the mesh
+
+        return jax.tree.leaves(jax.tree.map(place, abstract, is_leaf=lambda x: isinstance(x, KVCache)))
+    given = jax.tree.leaves(sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(given) != len(leaves):
+        raise ValueError(
+            f"load_cache({path!r}): sharding= must be a NamedSharding of one layer's [B, H, S, D] or one "
+            f"Sharding per array ({len(leaves)}), got {len(given)}."
+        )
+    return given
+
+
+def _with_static_sharding(tree: Any, sharding: Any) -> Any:
+    if not isinstance(sharding, NamedSharding):
+        return tree
+
+    def put(x):
+        return dataclasses.replace(x, sharding=sharding) if isinstance(x, KVCache) else x
+
+    return jax.tree.map(put, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+# --------------------------------------------------------------------------- whole caches
+
+
+def save_cache(path: str | os.PathLike, cache: Any, *, format: str = "safetensors") -> None:  # noqa: A002
+    """Saves a whole cache (any kind or pytree of arrays).
+
+    Args:
+      path: a file for ``"safetensors"`` (replaced atomically), a directory for ``"orbax"``
+        (replaced if it exists).
+      cache: the cache; concrete arrays (not inside ``jit``).
+      format: ``"safetensors"`` (single host: the arrays are gathered to this host) or
+        ``"orbax"`` (sharded arrays, every process writes its own shards; call it on every
+        process).
+
+    Raises:
+      CacheFileError: the directory does not exist, or a multi-process cache saved as
+        safetensors.
+      TypeError: a static field that cannot be described (see the module docstring).
+      ImportError: safetensors / orbax-checkpoint is not installed.
+
+    Example:
+      >>> save_cache("/tmp/cache.safetensors", cache)                       # doctest: +SKIP
+      >>> same = load_cache("/tmp/cache.safetensors", like=cache)            # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    if format == "safetensors":
+        _write_safetensors(path, cache, {"format": _CACHE})
+    elif format == "orbax":
+        _save_orbax(path, cache)
+    else:
+        raise ValueError(f"save_cache: format must be 'safetensors' or 'orbax', got {format!r}.")
+
+
+def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = None) -> Any:
+    """Loads a cache saved by :func:`save_cache` (a file: safetensors; a directory: Orbax).
+
+    Args:
+      path: what :func:`save_cache` wrote.
+      like: optional target: a cache or ``jax.eval_shape`` of one. The file must hold the
+        same kind and structure with every leaf of the same shape and dtype; the result
+        takes ``like``'s static metadata and its leaves' shardings.
+      sharding: optional layout when ``like`` is not given: a ``NamedSharding`` of one
+        layer's ``[B, H, S, D]`` (as the kinds' ``init(sharding=)``; any mesh, any device
+        count), or one ``jax.sharding.Sharding`` per array leaf. Default: the default device.
+
+    Returns:
+      The cache.
+
+    Raises:
+      CacheFileError: missing, truncated or corrupt file, another format version, or a
+        mismatch with ``like`` (the message names the file and what differs).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        header, read = _open_orbax(path)
+    else:
+        header, leaves, _ = _read_safetensors(path, _CACHE)
+        read = None
+    treedef = _rebuild(header["tree"], path)
+    shapes = [jax.ShapeDtypeStruct(tuple(m["shape"]), jnp.dtype(m["dtype"])) for m in header["leaves"]]
+    if len(shapes) != treedef.num_leaves:
+        raise CacheFileError(f"{path}: {len(shapes)} arrays for a structure of {treedef.num_leaves}; the file is damaged.")
+    abstract = jax.tree.unflatten(treedef, shapes)
+    if like is not None:
+        _check_like(path, header, abstract, like)
+        treedef = jax.tree.structure(like)
+    targets = _target_shardings(abstract, like, sharding, path)
+    if read is not None:
+        leaves = read(shapes, targets)
+        return _with_static_sharding(jax.tree.unflatten(treedef, leaves), None if like is not None else sharding)
+    out = [jnp.asarray(a) if s is None else jax.device_put(a, s) for a, s in zip(leaves, targets)]
+    return _with_static_sharding(jax.tree.unflatten(treedef, out), None if like is not None else sharding)
+
+
+def _check_like(path: str, header: dict, abstract: Any, like: Any) -> None:
+    target = jax.tree.structure(_strip_sharding(like))
+    if _kind(like) != header["kind"]:
+        raise CacheFileError(f"{path}: the file holds a {header['kind']}, like= is a {_kind(like)}.")
+    saved_dtype, like_dtype = getattr(abstract, "dtype", None), getattr(like, "dtype", None)
+    if saved_dtype is not None and like_dtype is not None and jnp.dtype(saved_dtype) != jnp.dtype(like_dtype):
+        raise CacheFileError(f"{path}: the file holds a {jnp.dtype(saved_dtype)} cache, like= is {jnp.dtype(like_dtype)}.")
+    differs = _difference(header["tree"], _describe(target))
+    if differs:
+        raise CacheFileError(f"{path}: the cache does not match like=: {differs}.")
+    grows = getattr(like, "SHAPES_GROW", False)  # a DynamicCache's arrays follow its length
+    for meta, leaf in zip(header["leaves"], jax.tree.leaves(like)):
+        shape, dtype = tuple(meta["shape"]), jnp.dtype(meta["dtype"])
+        if dtype != leaf.dtype or (shape != tuple(leaf.shape) and not grows):
+            raise CacheFileError(
+                f"{path}: array {meta['name']} is {dtype.name}{list(shape)} in the file, like= has "
+                f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}; build like= with the same sizes and dtype."
+            )
+
+
+# --------------------------------------------------------------------------- Orbax
+
+
+def _save_orbax(path: str, cache: Any) -> None:
+    ocp = _require("orbax.checkpoint")
+    leaves, treedef = jax.tree.flatten(cache)
+    names = _leaf_names(cache)
+    described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)} for n, x in zip(names, leaves)]
+    # Orbax refuses zero-size arrays; the description alone rebuilds them.
+    stored = [x for x in leaves if x.size]
+    header = {"format": _CACHE, "version": FORMAT_VERSION, "kind": _kind(cache), "tree": _describe(treedef, path),
+              "leaves": described}
+    args = ocp.args.Composite(state=ocp.args.StandardSave(stored), jaxkv=ocp.args.JsonSave(header))
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(os.path.abspath(path), args, force=True)
+
+
+def _open_orbax(path: str):
+    ocp = _require("orbax.checkpoint")
+    where = os.path.abspath(path)
+
+    def failed(err):
+        return CacheFileError(f"{path}: not a readable jaxkv Orbax checkpoint ({type(err).__name__}: {err}).")
+
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            header = ckptr.restore(where, ocp.args.Composite(jaxkv=ocp.args.JsonRestore()))["jaxkv"]
+    except Exception as err:  # orbax raises many types for a damaged directory
+        raise failed(err) from None
+    header = _check_header(path, header, _CACHE)
+
+    def read(shapes, targets):
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        wanted = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=t or device) for s, t in zip(shapes, targets)]
+        try:
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+                args = ocp.args.Composite(state=ocp.args.StandardRestore([w for w in wanted if w.size]))
+                stored = iter(ckptr.restore(where, args)["state"])
+        except Exception as err:
+            raise failed(err) from None
+        return [next(stored) if w.size else jax.device_put(np.zeros(w.shape, w.dtype), w.sharding) for w in wanted]
+
+    return header, read
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def model_fingerprint(model: Any, *, config: Any = None) -> str:
+    """A hex digest of a model's config and weights: equal digests, same model.
+
+    SHA-256 over the config's ``repr`` (``config`` or ``model.config``), then every array
+    of the model's state (an ``nnx.Module``) or pytree, with its path, dtype and shape.
+    Each parameter byte is read once (about 1.5 GB/s on one core); compute it once per
+    loaded model and pass it to :func:`save_sequence` / :func:`load_sequence`.
+    """
+    digest = hashlib.sha256()
+    cfg = config if config is not None else getattr(model, "config", None)
+    digest.update(b"config\0" + repr(cfg).encode() + b"\0")
+    nnx = sys.modules.get("flax.nnx")
+    state = nnx.state(model) if nnx is not None and isinstance(model, nnx.Module) else model
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        a = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}:{a.dtype.name}:{list(a.shape)}\0".encode())
+        digest.update(a.reshape(-1).view(np.uint8))
+    return digest.hexdigest()
+
+
+def _seq_fields(store: Any) -> dict[str, int]:
+    """Field -> its ``"seq"`` axis (the capacity axis a row fills from slot 0)."""
+    return {f: axes.index("seq") for f, axes in type(store).LEAF_AXES.items() if "seq" in axes}
+
+
+def _resize_seq(cache: KVCache, size_of) -> KVCache:
+    """Every ``"seq"`` axis cut (or zero-padded) to ``size_of(store)`` slots (NumPy or
+    jax leaves alike)."""
+    stores = []
+    for store in cache.stores:
+        size, changed = size_of(store), {}
+        for field, axis in _seq_fields(store).items():
+            x = getattr(store, field)
+            if x.shape[axis] >= size:
+                changed[field] = x[(slice(None),) * axis + (slice(0, size),)]
+            else:
+                pad = [(0, 0)] * x.ndim
+                pad[axis] = (0, size - x.shape[axis])
+                changed[field] = (jnp if isinstance(x, jax.Array) else np).pad(x, pad)
+        stores.append(dataclasses.replace(store, **changed))
+    return dataclasses.replace(cache, stores=tuple(stores))
+
+
+@jax.jit
+def _select_row(cache: KVCache, row: jax.Array) -> KVCache:
+    return cache.batch_select_indices(row[None])
+
+
+@jax.jit
+def _place_row(cache: KVCache, one: KVCache, row: jax.Array, keep: jax.Array) -> tuple[KVCache, KVCache, jax.Array]:
+    """``(cache with row ``row`` replaced by ``one`` cut to ``keep`` tokens, cache with the
+    row emptied, whether the cut lost needed tokens)``: one compiled program per shape."""
+    emptied = cache.reset(jnp.arange(cache.batch_size) == row)
+    one = dataclasses.replace(one, flags=jnp.zeros_like(one.flags)).crop(keep)
+    lost = (one.flags[0] & INVALID) != 0  # a ring rolled back past what it still holds
+    sizes = iter([_seq_size(s) for s in cache.stores])
+    one = _resize_seq(one, lambda store: next(sizes))  # the target's capacity: cut or zero-padded
+    return emptied.put_rows(row[None], dataclasses.replace(one, sharding=cache.sharding)), emptied, lost
+
+
+def _check_kv_cache(cache: Any, who: str) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(
+            f"{who}: needs a preallocated cache (StaticCache, SlidingWindowCache, QuantizedCache, HybridCache, "
+            f"...), got {type(cache).__name__}; for a DynamicCache use StaticCache.from_dynamic first."
+        )
+    return cache
+
+
+def _check_row(row: Any, batch: int, who: str) -> int:
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < batch:
+        raise ValueError(f"{who}: row must be an int in [0, {batch}), got {row!r}.")
+    return int(row)
+
+
+def _token_array(token_ids: Any, who: str) -> np.ndarray:
+    ids = np.asarray(token_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{who}: token_ids must be a 1-D sequence of integer ids, got {ids.dtype}{list(ids.shape)}.")
+    return ids.astype(np.int64)
+
+
+def save_sequence(
+    path: str | os.PathLike, cache: KVCache, row: int, *, model_fingerprint: str, token_ids: Any
+) -> None:
+    """Saves one row's prompt state: its filled part of every layer, with the token ids.
+
+    Args:
+      path: the file (safetensors; replaced atomically).
+      cache: a preallocated cache whose row ``row`` holds the same number of tokens in
+        every layer (a prefilled prompt) and no error flag.
+      row: the row.
+      model_fingerprint: :func:`model_fingerprint` of the model that filled the cache.
+      token_ids: int[n]: the ``n`` tokens the row holds, in order.
+
+    Raises:
+      ValueError: an empty row, layers of different lengths, flags set, or ``token_ids``
+        of another length than the row's.
+      TypeError: not a preallocated cache, or ids that are not integers.
+    """
+    who = "save_sequence"
+    path = os.fspath(path)
+    cache = _check_kv_cache(cache, who)
+    row = _check_row(row, cache.batch_size, who)
+    lengths, flags = np.asarray(cache.lengths)[:, row], int(np.asarray(cache.flags)[row])
+    if flags:
+        raise ValueError(f"{who}: row {row} has error flags {flags} set (overflow or a bad index); its contents "
+                         "are incomplete.")
+    n = int(lengths[0])
+    if (lengths != n).any():
+        raise ValueError(f"{who}: row {row} holds {lengths.tolist()} tokens per layer; a prompt state needs every "
+                         "layer at the same length.")
+    if n == 0:
+        raise ValueError(f"{who}: row {row} holds no tokens.")
+    ids = _token_array(token_ids, who)
+    if ids.shape[0] != n:
+        raise ValueError(f"{who}: token_ids has {ids.shape[0]} ids, row {row} holds {n} tokens.")
+    one = _strip_sharding(_select_row(cache, jnp.int32(row)))
+    one = _resize_seq(jax.tree.map(lambda x: _host(x, path), one), lambda store: n)
+    header = {"format": _SEQUENCE, "model_fingerprint": str(model_fingerprint), "dtype": jnp.dtype(cache.dtype).name,
+              "num_tokens": n}
+    _write_safetensors(path, one, header, {_TOKEN_IDS: ids.astype(np.int32)})
+
+
+def load_sequence(
+    path: str | os.PathLike,
+    cache: KVCache,
+    row: int,
+    *,
+    model_fingerprint: str,
+    token_ids: Any,
+    strict: bool = False,
+) -> tuple[KVCache, int]:
+    """Restores a row's prompt state saved by :func:`save_sequence`.
+
+    The stored ids and ``token_ids`` (the prompt about to be processed) are compared token
+    by token; ``k`` is the length of their common prefix, capped at the cache's capacity. A
+    longer stored sequence serves the prompt up to ``k``; a shorter one serves as a prefix
+    (prefill the prompt from token ``k`` on). If they differ after ``k`` tokens, the first
+    ``k`` are used (``strict=True`` raises instead). Row ``row`` then holds exactly those
+    ``k`` tokens (``k = 0``: it is emptied); the other rows are untouched. A ring whose
+    rollback to ``k`` would need evicted tokens restores nothing (``k = 0``).
+
+    Args:
+      path: the file.
+      cache: a cache of the same kind, dtype and layer layout as the saved one; any batch
+        size and capacity (rings: the same window and slots).
+      row: the row to write.
+      model_fingerprint: the loading model's :func:`model_fingerprint`; must equal the file's.
+      token_ids: int[P]: the prompt.
+      strict: raise if neither sequence is a prefix of the other.
+
+    Returns:
+      ``(cache, k)``.
+
+    Raises:
+      CacheFileError: missing, truncated or corrupt file; another model, dtype, kind or
+        layout; with ``strict``, diverging token ids.
+    """
+    who = "load_sequence"
+    path = os.fspath(path)
+    cache = _check_kv_cache(cache, who)
+    row = _check_row(row, cache.batch_size, who)
+    ids = _token_array(token_ids, who)
+    header, leaves, extra = _read_safetensors(path, _SEQUENCE)
+    if header.get("model_fingerprint") != str(model_fingerprint):
+        raise CacheFileError(
+            f"{path}: saved for another model (fingerprint {str(header.get('model_fingerprint'))[:16]}..., this "
+            f"model's is {str(model_fingerprint)[:16]}...): other weights or config. Delete the file or use another path."
+        )
+    if header["kind"] != _kind(cache):
+        raise CacheFileError(f"{path}: holds a {header['kind']} row, the cache is a {_kind(cache)}.")
+    if header["dtype"] != jnp.dtype(cache.dtype).name:
+        raise CacheFileError(f"{path}: holds a {header['dtype']} cache row, the cache is {jnp.dtype(cache.dtype).name}.")
+    target = _strip_sharding(cache)
+    differs = _difference(header["tree"], _describe(jax.tree.structure(target)))
+    if differs:
+        raise CacheFileError(f"{path}: the row does not fit this cache's layout: {differs}.")
+    stored_ids = extra.get(_TOKEN_IDS)
+    if stored_ids is None or stored_ids.shape != (header["num_tokens"],):
+        raise CacheFileError(f"{path}: the token ids are missing or damaged.")
+    common = min(stored_ids.shape[0], ids.shape[0])
+    mismatch = np.flatnonzero(stored_ids[:common] != ids[:common])
+    k = int(mismatch[0]) if mismatch.size else common
+    if strict and mismatch.size:
+        raise CacheFileError(
+            f"{path}: token {k} differs (the file has id {int(stored_ids[k])}, the prompt {int(ids[k])}); "
+            f"only the first {k} tokens match."
+        )
+    capacity = cache.get_max_length()
+    k = k if capacity is None else min(k, capacity)
+    one = jax.tree.unflatten(jax.tree.structure(target), [jnp.asarray(a) for a in leaves])
+    _check_row_shapes(path, one, target)
+    placed, emptied, lost = _place_row(cache, one, jnp.int32(row), jnp.int32(max(k, 1)))
+    if k == 0 or bool(lost):
+        return emptied, 0
+    return placed, k
+
+
+def _seq_size(store: Any) -> int | None:
+    fields = _seq_fields(store)
+    if not fields:
+        return None
+    field, axis = next(iter(fields.items()))
+    return getattr(store, field).shape[axis]
+
+
+def _check_row_shapes(path: str, one: KVCache, target: KVCache) -> None:
+    """Leaves agree with the target's except the batch axis (1 row) and ``"seq"`` axes."""
+    for i, (mine, theirs) in enumerate(zip(one.stores, target.stores)):
+        for field, axes in type(theirs).LEAF_AXES.items():
+            a, b = getattr(mine, field), getattr(theirs, field)
+            skip = {j for j, name in enumerate(axes) if name in ("batch", "seq")}
+            if "batch" not in axes:
+                continue  # a pool shared by rows (pages): the kind's put_rows checks it
+            if a.ndim != b.ndim or any(x != y for j, (x, y) in enumerate(zip(a.shape, b.shape)) if j not in skip):
+                raise CacheFileError(
+                    f"{path}: stores[{i}].{field} is {list(a.shape)} in the file (one row), the cache has "
+                    f"{list(b.shape)}; only the batch and sequence axes may differ."
+                )
+    if one.lengths.shape[0] != target.lengths.shape[0]:
+        raise CacheFileError(f"{path}: {one.lengths.shape[0]} layers in the file, {target.lengths.shape[0]} in the cache.")
+
+
+# --------------------------------------------------------------------------- prompt cache for generation
+
+
+class PromptCacheStream:
+    """:func:`jaxkv.stream` for one prompt, with its prompt state kept in a file.
+
+    If ``path`` holds a state for this model, dtype and a prefix of the prompt, the cache
+    starts from it and only the rest of the prompt is prefilled (at least the last token,
+    whose logits give the first new token). Otherwise, or when the file covers less than
+    the whole prompt, the prompt's state is saved to ``path`` right after prefill. The
+    tokens equal a fresh ``stream``'s (same sampling, same key).
+
+    Attributes:
+      restored: prompt tokens taken from the file.
+      prompt_tokens: prompt length P.
+      cache: the current cache (see :class:`jaxkv.generation.TokenStream`).
+
+    Iterate it once (a second pass would need the file's state again: build a new one).
+
+    Raises:
+      CacheFileError: the file is corrupt, or made by another model or cache dtype (delete
+        it or use another path); the directory does not exist or cannot be written.
+    """
+
+    def __init__(self, path: str | os.PathLike, model: Any, input_ids: Any, max_new_tokens: int, *,
+                 fingerprint: str | None = None, **stream_kwargs: Any):
+        from jaxkv.generation import bucket_length, init_model_cache, stream
+
+        self.path = os.fspath(path)
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise ValueError(f"PromptCacheStream: input_ids must be one prompt [1, P], got shape {list(ids.shape)}.")
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise CacheFileError(f"{self.path}: the directory {directory} does not exist or is not writable.")
+        self.prompt_tokens = n = ids.shape[1]
+        self._ids = ids[0]
+        self.fingerprint = fingerprint or model_fingerprint(model)
+        cache = init_model_cache(
+            model, 1, bucket_length(n) + max_new_tokens, stream_kwargs.get("cache_dtype"),
+            stream_kwargs.get("cache_kind", "static"),
+        )
+        self.restored, self._save = 0, True
+        if os.path.exists(self.path):
+            cache, matched = load_sequence(self.path, cache, 0, model_fingerprint=self.fingerprint, token_ids=self._ids)
+            self.restored = min(matched, n - 1)  # the last prompt token is fed again for its logits
+            if self.restored < matched:
+                cache = cache.crop(self.restored) if self.restored else cache.reset()
+            self._save = matched < n
+        self._inner = stream(model, ids[:, self.restored:], max_new_tokens, **stream_kwargs)
+        # The stream's first iteration prefills into the cache it holds: this one.
+        self._inner.cache = cache
+        self._used = False
+
+    @property
+    def cache(self) -> Any:
+        return self._inner.cache
+
+    @property
+    def done(self) -> np.ndarray:
+        return self._inner.done
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        if self._used:
+            raise RuntimeError("PromptCacheStream: iterate it once; build a new one to generate again.")
+        self._used = True
+        for step, tokens in enumerate(self._inner):
+            if step == 0 and self._save:  # after prefill, before the next step donates the cache
+                save_sequence(self.path, self._inner.cache, 0, model_fingerprint=self.fingerprint, token_ids=self._ids)
+            yield tokens
