@@ -13,6 +13,7 @@ from jaxkv.attention import update_and_attend
 from jaxkv.caches import (
     INVALID,
     NO_POSITION,
+    OUT_OF_PAGES,
     OVERFLOW,
     CacheError,
     CrossAttentionCache,
@@ -20,6 +21,7 @@ from jaxkv.caches import (
     EncoderDecoderCache,
     HybridCache,
     KVCache,
+    PagedCache,
     LayerView,
     QuantizedCache,
     SlidingWindowCache,
@@ -33,6 +35,7 @@ from jaxkv.sampling import SamplingConfig
 __all__ = [
     "INVALID",
     "NO_POSITION",
+    "OUT_OF_PAGES",
     "OVERFLOW",
     "CacheError",
     "CrossAttentionCache",
@@ -41,6 +44,7 @@ __all__ = [
     "GenerateOutput",
     "HybridCache",
     "KVCache",
+    "PagedCache",
     "LayerView",
     "QuantizedCache",
     "SamplingConfig",

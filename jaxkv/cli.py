@@ -1,7 +1,7 @@
 """The ``jaxkv`` command line: stream text from a checkpoint through a jaxkv cache.
 
     jaxkv generate "def fibonacci(" [--model PATH] [--max-new-tokens N] [--temperature T]
-                   [--top-k K] [--top-p P] [--seed S]
+                   [--top-k K] [--top-p P] [--seed S] [--prompt-cache FILE]
 
 With no ``--model`` it uses the embedded model shipped inside the package (a tiny
 Llama trained by ``scripts/train_embedded.py`` on the Python standard library). Errors
@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 for no limit (default 40)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass; 1.0 for no limit (default 0.95)")
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+    gen.add_argument(
+        "--prompt-cache", metavar="FILE", default=None,
+        help="reuse the prompt's cache saved in FILE when model and prompt prefix match (only the rest is "
+        "prefilled); otherwise save it there after prefill",
+    )
     return parser
 
 
@@ -187,7 +192,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     start = None
     step = 0
     cache_bytes = 0
-    tokens_stream = stream(
+    tokens_stream = _stream_maker(args, stream)(
         loaded.model,
         jnp.asarray([ids], jnp.int32),
         args.max_new_tokens,
@@ -222,6 +227,24 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         f"cache {_human_bytes(cache_bytes)} ({type(cache).__name__}) | model {os.path.basename(os.path.normpath(path))}\n"
     )
     out.flush()
+
+
+def _stream_maker(args: argparse.Namespace, stream):
+    """``stream``, or with ``--prompt-cache`` one that restores and saves the prompt's cache."""
+    if args.prompt_cache is None:
+        return stream
+    from jaxkv.persist import CacheFileError, PromptCacheStream
+
+    def make(*stream_args, **stream_kwargs):
+        try:
+            made = PromptCacheStream(args.prompt_cache, *stream_args, **stream_kwargs)
+        except CacheFileError as err:
+            raise CliError(str(err)) from None
+        print(f"[jaxkv] prompt cache {args.prompt_cache}: {made.restored} of {made.prompt_tokens} prompt tokens "
+              "restored", file=sys.stderr)
+        return made
+
+    return make
 
 
 def _eos_id(path: str) -> int | None:

@@ -139,6 +139,13 @@ def _encode_static(value: Any, where: str) -> Any:
     )
 
 
+def _describe_shardings(tree: Any) -> list:
+    """The static shardings of the caches in ``tree``, for the record (a load chooses its own)."""
+    found = [x.sharding for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
+             if isinstance(x, KVCache) and x.sharding is not None]
+    return [_encode_static(s, "sharding") for s in found]
+
+
 def _decode_static(obj: Any) -> Any:
     if isinstance(obj, dict):
         (tag, value), = obj.items()
@@ -263,7 +270,7 @@ def _atomic_target(path: str) -> tuple[str, str]:
 def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.ndarray] | None = None) -> None:
     st = _require("safetensors.numpy")
     path = os.fspath(path)
-    leaves, treedef = jax.tree.flatten(tree)
+    leaves = jax.tree.leaves(tree)
     names = _leaf_names(tree)
     arrays, described = {}, []
     for name, leaf in zip(names, leaves):
@@ -274,7 +281,8 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
     for name, a in (extra or {}).items():
         arrays[name] = _file_array(a)
     header = {"format": header.pop("format"), "version": FORMAT_VERSION, "kind": _kind(tree),
-              "tree": _describe(treedef, path), "leaves": described} | header
+              "tree": _describe(jax.tree.structure(_strip_sharding(tree)), path), "leaves": described,
+              "sharding": _describe_shardings(tree)} | header
     _, tmp = _atomic_target(path)
     try:
         st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(header)})
@@ -466,13 +474,14 @@ def _check_like(path: str, header: dict, abstract: Any, like: Any) -> None:
 
 def _save_orbax(path: str, cache: Any) -> None:
     ocp = _require("orbax.checkpoint")
-    leaves, treedef = jax.tree.flatten(cache)
+    leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
     described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)} for n, x in zip(names, leaves)]
     # Orbax refuses zero-size arrays; the description alone rebuilds them.
     stored = [x for x in leaves if x.size]
-    header = {"format": _CACHE, "version": FORMAT_VERSION, "kind": _kind(cache), "tree": _describe(treedef, path),
-              "leaves": described}
+    header = {"format": _CACHE, "version": FORMAT_VERSION, "kind": _kind(cache),
+              "tree": _describe(jax.tree.structure(_strip_sharding(cache)), path), "leaves": described,
+              "sharding": _describe_shardings(cache)}
     args = ocp.args.Composite(state=ocp.args.StandardSave(stored), jaxkv=ocp.args.JsonSave(header))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(os.path.abspath(path), args, force=True)

@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv import _kernels
 from jaxkv.caches._bits import from_bits, stored_dtype
 
-__all__ = ["blockwise_attend", "quantized_blockwise_attend"]
+__all__ = ["blockwise_attend", "paged_blockwise_attend", "quantized_blockwise_attend"]
 
 
 def blockwise_attend(
@@ -499,5 +499,54 @@ def quantized_blockwise_attend(
     return _blockwise_loop(
         queries, read_block, num_slots, num_kv_heads, q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32),
         sliding_window=sliding_window, logit_softcap=logit_softcap,
+        scale=head_dim**-0.5 if scale is None else scale, block_size=block_size,
+    )
+
+
+def paged_blockwise_attend(
+    queries: jax.Array,  # [B, Hq, T, D]
+    view,  # jaxkv.caches.PagedView
+    *,
+    q_positions: jax.Array,  # [B, T] int
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    block_size: int | None = None,
+) -> jax.Array:  # [B, Hq, T, D]
+    """:func:`blockwise_attend` over a paged layer, reading each block through the block table.
+
+    A block of the loop is a run of whole pages (or a part of one page, for a last block
+    smaller than a page): their ids are sliced from the block table and the pages
+    gathered from the pool (and dequantized, for int8/int4 pages). Cost scales with tokens
+    stored, like the contiguous path. Same contract, shapes and errors as
+    :func:`blockwise_attend`; ``block_size`` must be a power of two.
+    """
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    _, _, num_kv_heads, page_size, _ = view.keys.shape
+    if queries.ndim != 4 or view.block_table.shape[0] != batch or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_blockwise_attend: queries {queries.shape} do not fit the paged layer (pool "
+            f"{view.keys.shape}, block table {view.block_table.shape}): same batch, query heads a "
+            "multiple of kv heads."
+        )
+    if q_positions.shape != (batch, num_tokens):
+        raise ValueError(f"paged_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    block_size = _loop_options("paged_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_blockwise_attend: block_size must be a power of two (pages are), got {block_size}.")
+    table = view.block_table
+
+    def read_block(offset, size):
+        # Offsets are multiples of `size`; sizes and pages are powers of two, so a block is
+        # whole pages or lies inside one page.
+        if size >= page_size:
+            return view.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, size // page_size, axis=1))
+        keys, values = view.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, 1, axis=1))
+        within = offset % page_size
+        return tuple(jax.lax.dynamic_slice_in_dim(x, within, size, axis=2) for x in (keys, values))
+
+    return _blockwise_loop(
+        queries, read_block, view.num_slots, num_kv_heads, q_positions.astype(jnp.int32),
+        view.lengths.astype(jnp.int32), sliding_window=sliding_window, logit_softcap=logit_softcap,
         scale=head_dim**-0.5 if scale is None else scale, block_size=block_size,
     )

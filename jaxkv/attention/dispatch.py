@@ -12,9 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.blockwise import blockwise_attend, quantized_blockwise_attend
+from jaxkv.attention import pallas_gpu
+from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend, quantized_blockwise_attend
 from jaxkv.attention.dense import attend
-from jaxkv.caches.views import ContiguousView, LayerView, QuantizedView
+from jaxkv.caches.views import ContiguousView, LayerView, PagedView, QuantizedView
 
 __all__ = ["attend_view", "cache_attention", "token_positions", "update_and_attend"]
 
@@ -56,6 +57,11 @@ def attend_view(
       over the stacked buffers: only filled blocks are read (the CPU kernel on CPU).
     * :class:`~jaxkv.caches.QuantizedView`: the same blockwise loop, dequantizing each
       block as it is read (never the whole layer), with the exact residual tokens patched in.
+    * :class:`~jaxkv.caches.PagedView` (PagedCache): the same loop, each block's pages
+      gathered through the row's block table (dequantized for int8/int4 pages).
+    * On a GPU, contiguous and quantized views go to the Pallas split-K kernels of
+      :mod:`jaxkv.attention.pallas_gpu` where they apply (``JAXKV_PALLAS_GPU``: ``auto``,
+      ``1`` forces them, in interpret mode off a GPU; ``0`` turns them off).
     * :class:`~jaxkv.caches.LayerView` (rings, DynamicCache, encoder states): dense
       :func:`attend` with per-slot positions. A ring's own window wins; a model asking for
       another window is an error.
@@ -64,11 +70,21 @@ def attend_view(
         ValueError: the view's window differs from ``sliding_window``; errors of the paths.
         TypeError: not a view.
     """
+    if pallas_gpu.use_pallas(queries, view):  # on a GPU (or JAXKV_PALLAS_GPU=1): the Pallas kernels
+        return pallas_gpu.pallas_attend_view(
+            queries, view, q_positions=q_positions, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            scale=scale, interpret=pallas_gpu.interpret_default(),
+        )
     if isinstance(view, ContiguousView):
         return blockwise_attend(
             queries, view.keys, view.values, layer_idx=view.layer, q_positions=q_positions,
             kv_lengths=view.lengths, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
             kv_dtype=view.dtype,
+        )
+    if isinstance(view, PagedView):
+        return paged_blockwise_attend(
+            queries, view, q_positions=q_positions, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            scale=scale,
         )
     if isinstance(view, QuantizedView):
         return quantized_blockwise_attend(

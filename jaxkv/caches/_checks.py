@@ -14,6 +14,8 @@ Array = jax.Array
 OVERFLOW = 1
 #: Flag bit: a traced row/layer index or ``num_new`` was out of range.
 INVALID = 2
+#: Flag bit: a paged cache's pool had no free page for a write; the row stored none of it.
+OUT_OF_PAGES = 4
 
 
 class CacheError(ValueError):
@@ -232,7 +234,7 @@ def _check_beam_idx(beam_idx: Any, batch: int, who: str) -> Array:
     return idx
 
 
-def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str) -> None:
+def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str, out_of_pages: str = "") -> None:
     """Turns set flag bits into a ``CacheError`` naming the rows.
 
     ``flags`` is int32[B], or [..., B] for a stack of caches (``vmap``): rows are then
@@ -247,11 +249,13 @@ def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str) -> None
         return [int(i[0]) if flags.ndim == 1 else tuple(int(j) for j in i) for i in where]
 
     what = []
-    over, bad = rows(OVERFLOW), rows(INVALID)
+    over, bad, pages = rows(OVERFLOW), rows(INVALID), rows(OUT_OF_PAGES)
     if over:
         what.append(f"rows {over} {overflow}")
     if bad:
         what.append(f"rows {bad} {invalid}")
+    if pages:
+        what.append(f"rows {pages} {out_of_pages or 'ran out of pages (their write was dropped)'}")
     raise CacheError(f"{who}: " + "; ".join(what) + ". reset() clears the flags.")
 
 

@@ -21,15 +21,22 @@ be one ``tree_map``. It implements:
 
 * ``capacity``: slots per row, or None when it never runs out (a ring);
 * ``write(read_layer, write_layer, layer_ok, keys, values, old, count)`` ->
-  ``(storage, view or None)``: store ``count[b]`` of the T new tokens of row ``b`` at
-  positions ``old[b] + t``, dropping (never clamping) anything at or past ``capacity``;
-  ``write_layer`` is out of bounds when ``layer_ok`` is false (the write is dropped).
-  It returns a view when attention must see something other than the storage after the
-  write (a ring overwritten by a long chunk), else None;
+  ``(storage, view or None)`` or ``(storage, view or None, stored int32[B])``: store
+  ``count[b]`` of the T new tokens of row ``b`` at positions ``old[b] + t``, dropping
+  (never clamping) anything at or past ``capacity``; ``write_layer`` is out of bounds
+  when ``layer_ok`` is false (the write is dropped). It returns a view when attention
+  must see something other than the storage after the write (a ring overwritten by a
+  long chunk), else None; and ``stored`` when some rows stored fewer tokens than asked
+  for another reason than capacity (a paged pool out of pages: those rows get
+  ``OUT_OF_PAGES``);
 * ``view(layer, lengths)`` -> a view of :mod:`jaxkv.caches.views`;
 * ``crop(old, new)`` -> ``(storage, lost bool[L_g, B])`` and ``reset_rows(rows)`` for
   layout state beyond the lengths (a ring's first held position, a residual's positions);
 * ``LEAF_AXES``: per field, the logical axes of its leaf, for sharding.
+
+A storage whose leaves are not all ``[L_g, B, ...]`` (a paged pool shared by the rows)
+also implements ``map_rows(fn)`` (a row gather or repeat: ``fn(leaf, batch_axis)``) and
+``put_rows(idx, other) -> (storage, stored bool[N])``.
 
 Overflow and bad-index policy (never silent):
 
@@ -60,6 +67,7 @@ from jax.tree_util import register_dataclass
 from jaxkv.caches._bits import from_bits
 from jaxkv.caches._checks import (
     INVALID,
+    OUT_OF_PAGES,
     OVERFLOW,
     _check_beam_idx,
     _check_layout,
@@ -231,6 +239,8 @@ class KVCache:
             f"overflowed max_length={cap} (tokens past capacity were dropped; allocate a larger "
             "max_length or crop before writing)",
             "got an out-of-range index or num_new, or a crop that needed evicted tokens",
+            "found no free page for a write (it was dropped; free rows, crop, release pins or "
+            "allocate a larger num_pages)",
         )
         return self
 
@@ -268,9 +278,13 @@ class KVCache:
                     "max_length, or crop the row first."
                 )
         count = jnp.where(layer_ok, count, 0)
-        new_store, view = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count)
-        new_len = old + count
+        written = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count)
+        new_store, view = written[:2]
         flags = self.flags | _flag(invalid_row | jnp.logical_not(layer_ok), INVALID)
+        if len(written) > 2:  # rows the storage could not take (a paged pool out of pages)
+            flags = flags | _flag(written[2] < count, OUT_OF_PAGES)
+            count = written[2]
+        new_len = old + count
         if capacity is not None:
             flags = flags | _flag(new_len > capacity, OVERFLOW)
             new_len = jnp.minimum(new_len, capacity)
@@ -398,11 +412,18 @@ class KVCache:
         def put(x, part, axis):
             return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")
 
-        stores = tuple(
-            jax.tree.map(lambda x, y: put(x, y, 1), mine, theirs) for mine, theirs in zip(self.stores, other.stores)
-        )
+        stores, stored = [], jnp.ones(idx.shape, bool)
+        for mine, theirs in zip(self.stores, other.stores):
+            if hasattr(mine, "put_rows"):  # a pool shared by the rows: pages are copied in
+                mine, ok = mine.put_rows(idx, theirs)
+                stored = stored & ok
+            else:
+                mine = jax.tree.map(lambda x, y: put(x, y, 1), mine, theirs)
+            stores.append(mine)
+        lengths = jnp.where(stored[None, :], other.lengths, 0)
+        flags = jnp.where(stored, other.flags, other.flags | jnp.int32(OUT_OF_PAGES))
         return dataclasses.replace(
-            self, stores=stores, lengths=put(self.lengths, other.lengths, 1), flags=put(self.flags, other.flags, 0)
+            self, stores=tuple(stores), lengths=put(self.lengths, lengths, 1), flags=put(self.flags, flags, 0)
         )._constrained()
 
     # ---- serialisation
@@ -444,8 +465,11 @@ class KVCache:
         return np.array([i for i, g in enumerate(self.groups) if g == store])
 
     def _map_rows(self, fn) -> KVCache:
-        """``fn(leaf, batch_axis)`` over every leaf: storages and lengths are [L, B, ...]."""
-        stores = tuple(jax.tree.map(lambda x: fn(x, 1), s) for s in self.stores)
+        """``fn(leaf, batch_axis)`` over every leaf: storages and lengths are [L, B, ...]
+        (a storage with its own ``map_rows`` moves its rows itself)."""
+        stores = tuple(
+            s.map_rows(fn) if hasattr(s, "map_rows") else jax.tree.map(lambda x: fn(x, 1), s) for s in self.stores
+        )
         return dataclasses.replace(self, stores=stores, lengths=fn(self.lengths, 1), flags=fn(self.flags, 0))
 
     def _emptied(self, rows: Array, flag_value: Array) -> KVCache:

@@ -8,6 +8,9 @@ Attention dispatches on the type of the view, never on the cache class
   filled blocks in place (cost O(tokens stored), not O(capacity)).
 * :class:`QuantizedView`: the same layout in int8 / int4 with per-token scales, read and
   dequantized block by block, plus an exact full-precision residual of recent tokens.
+* :class:`PagedView`: pages of a shared pool named by per-row block tables (slot ``s`` of
+  a row is position ``s``, found in page ``block_table[b, s // ps]``); read block by
+  block through the table, dequantizing int8/int4 pages in the loop.
 * :class:`LayerView`: dense arrays with a position per slot (a ring buffer, a dynamic
   cache's grown arrays, encoder states). Attention reads every slot; a storage returns
   this only when its slot count is already small (a ring is O(window)) or unbounded by
@@ -30,7 +33,7 @@ from jaxkv.caches._bits import from_bits
 
 Array = jax.Array
 
-__all__ = ["NO_POSITION", "ContiguousView", "LayerView", "QuantizedView"]
+__all__ = ["NO_POSITION", "ContiguousView", "LayerView", "PagedView", "QuantizedView"]
 
 #: Position reported by a slot that holds no token: later than any query, so masked.
 NO_POSITION = 2**31 - 1
@@ -132,3 +135,57 @@ class QuantizedView(NamedTuple):
     def slot_positions(self) -> Array:
         """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
         return _filled_positions(self.lengths, self.keys.shape[3])
+
+
+class PagedView(NamedTuple):
+    """One layer of a paged pool: row ``b``'s position ``p`` is in page
+    ``block_table[b, p // ps]`` at offset ``p % ps`` of ``keys[layer]``.
+
+    Float pages are stored as for :class:`ContiguousView` (16-bit as bits); with ``bits``
+    8 or 4 they are codes with per-token scales, as for :class:`QuantizedView` (no
+    residual).
+    """
+
+    keys: Array  # [L, P, H, ps, D'] the whole pool
+    values: Array  # [L, P, H, ps, D']
+    key_scales: Array  # [L, P, H, ps] (quantized) or [L, P, H, 0]
+    value_scales: Array
+    block_table: Array  # int32[B, M], -1: no page
+    layer: Any  # int or traced int32
+    lengths: Array  # int32[B]
+    bits: int | None  # None: float pages
+    dtype: Any  # the float dtype attention reads
+    scale_dtype: Any
+
+    @property
+    def page_size(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_table.shape[1] * self.keys.shape[3]
+
+    def gather(self, pages: Array) -> tuple[Array, Array]:
+        """Keys and values of ``pages`` (int32[B, n], -1 allowed: page 0 is read, to be
+        masked) as ``[B, H, n * ps, D]`` in ``dtype``."""
+        ids = jnp.maximum(pages, 0)
+        out = []
+        for codes, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            block = codes[self.layer, ids]  # [B, n, H, ps, D']
+            if self.bits is None:
+                block = from_bits(block, self.dtype)
+            else:
+                from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+
+                block = dequantize(block, from_bits(scales[self.layer, ids], self.scale_dtype), self.bits, self.dtype)
+            b, n, h, ps, d = block.shape
+            out.append(block.transpose(0, 2, 1, 3, 4).reshape(b, h, n * ps, d))
+        return out[0], out[1]
+
+    def dense(self) -> LayerView:
+        keys, values = self.gather(self.block_table)
+        return LayerView(keys, values, None, self.lengths, None)
+
+    def slot_positions(self) -> Array:
+        """int32[B, M * ps]: the position each slot holds, ``NO_POSITION`` where none."""
+        return _filled_positions(self.lengths, self.num_slots)

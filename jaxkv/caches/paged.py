@@ -1,0 +1,490 @@
+"""Paged storage and ``PagedCache``: fixed-size pages in one pool, per-row block tables.
+
+Shapes use the package alphabet (L layers, B rows, H kv heads, T new tokens, D head dim)
+plus P pages in the pool, ``ps`` tokens per page, M pages per row at most (``max_length /
+ps``) and D' for the stored last axis (D, or D / 2 for int4 codes).
+
+A row's token at position ``p`` lives in page ``block_table[b, p // ps]`` at offset
+``p % ps``, in every layer: one block table per row serves all layers (the pool is
+``[L, P, H, ps, D']``, so a page id names the same slot range in every layer). Pages are
+taken from the pool when a write first reaches them, so memory follows the tokens stored,
+not ``max_length``, and rows of very different lengths share one budget.
+
+Everything is arrays, so allocation happens inside ``jit``:
+
+* ``refcount: int32[P]`` counts the holders of each page (rows' block tables, plus pins
+  taken by a host-side prefix index with :meth:`PagedCache.retain`); a page is free iff
+  its count is 0. A write that needs new pages takes the lowest free ids (``jnp.nonzero``
+  with a static size); crop, reset and row selection release pages.
+* Forking shares pages: ``batch_repeat_interleave``, ``reorder_cache``,
+  ``batch_select_indices`` copy block-table entries and bump counts, never page data.
+  A write into a page held by more than one row first copies that page (all layers) to a
+  fresh one: copy-on-write. Only the page being written is copied, once; full pages of a
+  shared prompt stay shared for ever.
+* Running out of pages is never silent: eagerly the write raises ``ValueError`` naming
+  the row and the pages it needs; under ``jit`` the rows that do not fit (taken in row
+  order) store none of their new tokens, keep their length and get ``OUT_OF_PAGES``.
+  Rows that fit are written normally. Tokens past ``max_length`` follow the container's
+  overflow policy (dropped, ``OVERFLOW``).
+
+Attention reads a :class:`~jaxkv.caches.views.PagedView` (block by block through the
+block table, dequantizing int8/int4 pages in the loop), cost O(tokens stored).
+
+The quantized variant (``bits=8`` or ``4``) stores codes and per-token scales like
+:class:`~jaxkv.caches.QuantizedCache` (same codec) without its full-precision residual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import register_dataclass
+
+from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
+from jaxkv.caches._checks import (
+    _check_row_indices,
+    _check_sizes,
+    _floating_dtype,
+    _is_traced,
+)
+from jaxkv.caches.container import KVCache, storage_field
+from jaxkv.caches.views import PagedView
+
+Array = jax.Array
+
+__all__ = ["NO_PAGE", "PagedCache", "PagedStorage"]
+
+#: Block-table entry of a block that holds no page.
+NO_PAGE = -1
+
+_POOL_FIELDS = ("keys", "values", "key_scales", "value_scales")
+
+
+def _page_counts(table: Array, num_pages: int) -> Array:
+    """int32[P]: how many block-table entries name each page."""
+    ids = jnp.where(table >= 0, table, num_pages).reshape(-1)
+    return jnp.zeros((num_pages,), jnp.int32).at[ids].add(1, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStorage:
+    """A page pool shared by all rows, with per-row block tables and page refcounts.
+
+    Attributes:
+      keys: [L, P, H, ps, D'] key pages, as stored (16-bit floats as uint16 bits; int8 or
+        packed-int4 codes when quantized).
+      values: [L, P, H, ps, D'] value pages.
+      key_scales: [L, P, H, ps] per-token key scales when quantized (stored like the
+        pages), else [L, P, H, 0].
+      value_scales: the same for values.
+      block_table: int32[B, M] page of each row's block (``NO_PAGE``: none).
+      refcount: int32[P] holders of each page (0: free).
+      bits: static None (float pages), 8 or 4.
+      dtype: static, the float dtype attention reads.
+      scale_dtype: static dtype of the scales (quantized only).
+    """
+
+    keys: Array
+    values: Array
+    key_scales: Array
+    value_scales: Array
+    block_table: Array
+    refcount: Array
+    bits: int | None  # static
+    dtype: Any  # static
+    scale_dtype: Any  # static
+
+    LEAF_AXES: ClassVar[dict] = {
+        "keys": ("layer", "pages", "heads", "page", "packed"),
+        "values": ("layer", "pages", "heads", "page", "packed"),
+        "key_scales": ("layer", "pages", "heads", "page"),
+        "value_scales": ("layer", "pages", "heads", "page"),
+        "block_table": ("batch", "blocks"),
+        "refcount": ("pages",),
+    }
+
+    @classmethod
+    def zeros(cls, num_layers, batch_size, num_kv_heads, head_dim, num_pages, page_size, max_pages, bits, dtype,
+              scale_dtype) -> PagedStorage:
+        lead = (num_layers, num_pages, num_kv_heads, page_size)
+        if bits is None:
+            pages, codes = stored_dtype(dtype), head_dim
+            scales = (num_layers, num_pages, num_kv_heads, 0)
+        else:
+            pages, codes = (jnp.int8 if bits == 8 else jnp.uint8), (head_dim if bits == 8 else head_dim // 2)
+            scales = lead
+        return cls(
+            keys=jnp.zeros((*lead, codes), pages),
+            values=jnp.zeros((*lead, codes), pages),
+            key_scales=jnp.zeros(scales, stored_dtype(scale_dtype)),
+            value_scales=jnp.zeros(scales, stored_dtype(scale_dtype)),
+            block_table=jnp.full((batch_size, max_pages), NO_PAGE, jnp.int32),
+            refcount=jnp.zeros((num_pages,), jnp.int32),
+            bits=bits,
+            dtype=jnp.dtype(dtype),
+            scale_dtype=jnp.dtype(scale_dtype),
+        )
+
+    num_layers = property(lambda self: self.keys.shape[0])
+    num_pages = property(lambda self: self.keys.shape[1])
+    num_kv_heads = property(lambda self: self.keys.shape[2])
+    page_size = property(lambda self: self.keys.shape[3])
+    max_pages = property(lambda self: self.block_table.shape[-1])
+    capacity = property(lambda self: self.block_table.shape[-1] * self.keys.shape[3])
+    head_dim = property(lambda self: self.keys.shape[4] * (2 if self.bits == 4 else 1))
+
+    # ---- pool access
+
+    def _pools(self) -> dict:
+        return {f: getattr(self, f) for f in _POOL_FIELDS}
+
+    def _encode(self, states: Array) -> tuple[Array, Array | None]:
+        """[B, H, T, D] states -> (stored codes [B, H, T, D'], stored scales [B, H, T] or None)."""
+        if self.bits is None:
+            return to_bits(states, self.dtype), None
+        from jaxkv.caches.quantized import quantize  # the codec lives with its storage
+
+        codes, scales = quantize(states, self.bits, scale_dtype=self.scale_dtype)
+        return codes, to_bits(scales, self.scale_dtype)
+
+    # ---- the storage protocol
+
+    def write(self, read_layer, write_layer, layer_ok, keys, values, old, count):
+        del read_layer, layer_ok  # a bad layer has count 0 and writes at `write_layer` == L: dropped
+        ps, max_pages, num_pages = self.page_size, self.max_pages, self.num_pages
+        batch, _, new_tokens, _ = keys.shape
+        table, refcount = self.block_table, self.refcount
+        rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+        # The blocks a row's new tokens land in: at most this many per row (static).
+        span = min(max_pages, (new_tokens - 1 + ps - 1) // ps + 1)
+        end = old + count
+        blk = (old // ps)[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, K]
+        in_range = blk < max_pages
+        touched = in_range & (blk * ps < end[:, None])
+        cur = jnp.where(in_range, jnp.take_along_axis(table, jnp.minimum(blk, max_pages - 1), axis=1), NO_PAGE)
+        held = cur >= 0
+        shared = touched & held & (refcount[jnp.maximum(cur, 0)] > 1)
+        need = touched & (~held | shared)  # a fresh page: none yet, or copy-on-write
+        per_row = jnp.sum(need, axis=1, dtype=jnp.int32)
+        free = refcount == 0
+        fits = jnp.cumsum(per_row) <= jnp.sum(free, dtype=jnp.int32)  # rows in order, all or nothing
+        if not _is_traced(per_row, fits) and not bool(np.all(np.asarray(fits) | (np.asarray(per_row) == 0))):
+            host_need, host_fits = np.asarray(per_row), np.asarray(fits)
+            row = int(np.argmax(~host_fits & (host_need > 0)))
+            raise ValueError(
+                f"PagedCache.update: out of pages: row {row} needs {int(host_need[row])} new page(s) of {ps} "
+                f"tokens, but the pool has {int(np.sum(np.asarray(free)))} free of {num_pages} (rows before it "
+                f"take {int(np.sum(host_need[:row]))}). Free pages (reset or batch_select_indices finished rows, "
+                "crop, release prefix pins) or allocate a larger num_pages."
+            )
+        need = need & fits[:, None]
+        shared = shared & fits[:, None]
+        flat = need.reshape(-1)
+        rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
+        free_ids = jnp.nonzero(free, size=flat.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
+        fresh = jnp.where(flat, free_ids[jnp.clip(rank, 0, flat.shape[0] - 1)], num_pages)  # [B*K]
+
+        pools = self._pools()
+        src = jnp.where(shared.reshape(-1), cur.reshape(-1), num_pages)
+        dst = jnp.where(shared.reshape(-1), fresh, num_pages)
+
+        def copy_pages(_, pools):
+            # Copy-on-write, every layer of each shared page at once: a loop of 0 or 1
+            # trips (not lax.cond, which would copy the pool into its branches).
+            safe = jnp.minimum(src, num_pages - 1)
+            return {f: x.at[:, dst].set(x[:, safe], mode="drop") for f, x in pools.items()}
+
+        pools = jax.lax.fori_loop(0, jnp.any(shared).astype(jnp.int32), copy_pages, pools)
+        refcount = refcount.at[fresh].add(1, mode="drop").at[src].add(-1, mode="drop")
+        fresh = fresh.reshape(batch, span)
+        table = table.at[rows, jnp.where(in_range, blk, max_pages)].set(
+            jnp.where(need, fresh, cur), mode="drop"
+        )
+
+        # The tokens themselves, through the new table.
+        count = jnp.where(fits, count, 0)
+        t = jnp.arange(new_tokens, dtype=jnp.int32)[None, :]
+        pos = old[:, None] + t  # [B, T]
+        valid = (t < count[:, None]) & (pos < self.capacity)
+        page = jnp.take_along_axis(table, jnp.clip(pos // ps, 0, max_pages - 1), axis=1)
+        page = jnp.where(valid & (page >= 0), page, num_pages)  # `num_pages`: dropped
+        offset = pos % ps
+        for name, states in (("keys", keys), ("values", values)):
+            codes, scales = self._encode(states)
+            pools[name] = pools[name].at[write_layer, page, :, offset].set(jnp.moveaxis(codes, 2, 1), mode="drop")
+            if scales is not None:
+                scale_name = "key_scales" if name == "keys" else "value_scales"
+                pools[scale_name] = pools[scale_name].at[write_layer, page, :, offset].set(
+                    jnp.moveaxis(scales, 2, 1), mode="drop"
+                )
+        new = dataclasses.replace(self, **pools, block_table=table, refcount=refcount)
+        return new, None, count
+
+    def view(self, layer: Any, lengths: Array) -> PagedView:
+        return PagedView(
+            self.keys, self.values, self.key_scales, self.value_scales, self.block_table, layer, lengths,
+            self.bits, self.dtype, self.scale_dtype,
+        )
+
+    def _release(self, drop: Array) -> PagedStorage:
+        """Releases the block-table entries where ``drop`` (bool[B, M]) is true."""
+        gone = jnp.where(drop, self.block_table, NO_PAGE)
+        return dataclasses.replace(
+            self,
+            block_table=jnp.where(drop, NO_PAGE, self.block_table),
+            refcount=self.refcount - _page_counts(gone, self.num_pages),
+        )
+
+    def crop(self, old: Array, new: Array, **_: Any):
+        # Pages wholly past every layer's new length go back to the pool.
+        keep = (jnp.max(new, axis=0) + self.page_size - 1) // self.page_size  # [B]
+        blocks = jnp.arange(self.max_pages, dtype=jnp.int32)[None, :]
+        return self._release(blocks >= keep[:, None]), jnp.zeros(new.shape, bool)
+
+    def reset_rows(self, rows: Array) -> PagedStorage:
+        return self._release(jnp.broadcast_to(rows[:, None], self.block_table.shape))
+
+    def map_rows(self, fn) -> PagedStorage:
+        """Row gather/repeat: block tables move, pages are shared (counts follow)."""
+        table = fn(self.block_table, 0)
+        refcount = self.refcount + _page_counts(table, self.num_pages) - _page_counts(self.block_table, self.num_pages)
+        return dataclasses.replace(self, block_table=table, refcount=refcount)
+
+    def put_rows(self, idx: Array, other: PagedStorage) -> tuple[PagedStorage, Array]:
+        """Copies the rows of ``other`` (their pages, every layer) into rows ``idx`` of this
+        pool, taking fresh pages; returns ``(storage, stored bool[N])`` (rows that did not
+        fit store nothing)."""
+        if (other.page_size, other.max_pages, other.bits) != (self.page_size, self.max_pages, self.bits):
+            raise ValueError(
+                "PagedCache.put_rows: the other cache has page_size/max_pages/bits "
+                f"{(other.page_size, other.max_pages, other.bits)}, this one "
+                f"{(self.page_size, self.max_pages, self.bits)}; they must agree."
+            )
+        n, num_pages = idx.shape[0], self.num_pages
+        # A row named twice: the last one wins (as a scatter would); earlier ones store nothing.
+        later = jnp.triu(idx[:, None] == idx[None, :], k=1).any(axis=1)
+        target = jnp.zeros((self.block_table.shape[0],), bool).at[idx].set(True, mode="drop")
+        base = self.reset_rows(target)
+        theirs = jnp.where(later[:, None], NO_PAGE, other.block_table)  # [N, M]
+        need = theirs >= 0
+        free = base.refcount == 0
+        fits = jnp.cumsum(jnp.sum(need, axis=1, dtype=jnp.int32)) <= jnp.sum(free, dtype=jnp.int32)
+        if not _is_traced(fits) and not bool(np.all(np.asarray(fits))):
+            row = int(np.argmax(~np.asarray(fits)))
+            raise ValueError(
+                f"PagedCache.put_rows: out of pages: row {int(np.asarray(idx)[row])} needs "
+                f"{int(np.sum(np.asarray(need)[row]))} page(s), the pool has {int(np.sum(np.asarray(free)))} free "
+                f"of {num_pages}. Free rows first or allocate a larger num_pages."
+            )
+        need = need & fits[:, None]
+        flat = need.reshape(-1)
+        rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
+        free_ids = jnp.nonzero(free, size=flat.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
+        fresh = jnp.where(flat, free_ids[jnp.clip(rank, 0, flat.shape[0] - 1)], num_pages)
+        src = jnp.where(flat, theirs.reshape(-1), 0)
+        pools = {
+            f: getattr(base, f).at[:, fresh].set(getattr(other, f)[:, src].astype(getattr(base, f).dtype), mode="drop")
+            for f in _POOL_FIELDS
+        }
+        stored = fits & ~later
+        table = base.block_table.at[jnp.where(stored, idx, self.block_table.shape[0])].set(
+            jnp.where(need, fresh.reshape(need.shape), NO_PAGE), mode="drop"
+        )
+        refcount = base.refcount.at[fresh].add(1, mode="drop")
+        return dataclasses.replace(base, **pools, block_table=table, refcount=refcount), stored | later
+
+    # ---- pages held outside the rows (a prefix index)
+
+    def pinned(self, pages: Array, delta: int) -> PagedStorage:
+        ids = jnp.where(pages >= 0, pages, self.num_pages)
+        return dataclasses.replace(self, refcount=self.refcount.at[ids].add(delta, mode="drop"))
+
+
+register_dataclass(
+    PagedStorage,
+    data_fields=["keys", "values", "key_scales", "value_scales", "block_table", "refcount"],
+    meta_fields=["bits", "dtype", "scale_dtype"],
+)
+
+
+class PagedCache(KVCache):
+    """Cache whose tokens live in fixed-size pages of one pool, shared across rows.
+
+    One :class:`PagedStorage`; the container policy and every op are those of
+    :class:`jaxkv.caches.container.KVCache`. Rows take pages as they grow, so a pool
+    sized for the tokens actually stored serves many more rows than per-row capacity
+    would; forks share pages (copy-on-write). See the module docstring.
+
+    Example:
+      >>> cache = PagedCache.init(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=4,
+      ...                         max_length=64, page_size=16, num_pages=6)
+      >>> k = jnp.ones((2, 1, 20, 4))
+      >>> cache, keys, values = cache.update(k, k, 0, num_new=jnp.array([20, 3]))
+      >>> cache.free_pages, cache.seq_lengths(0).tolist()
+      (3, [20, 3])
+      >>> forked = cache.batch_repeat_interleave(2)   # shares pages: still 3 free
+      >>> forked.free_pages
+      3
+    """
+
+    @classmethod
+    def init(
+        cls,
+        *,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        bits: int | None = None,
+        dtype: Any = jnp.float32,
+        scale_dtype: Any = jnp.bfloat16,
+        sharding: jax.sharding.NamedSharding | None = None,
+    ) -> PagedCache:
+        """Allocates an empty paged cache.
+
+        Args:
+          num_layers, batch_size, num_kv_heads, head_dim: sizes (ints >= 1).
+          max_length: tokens one row may hold (its block table has
+            ``ceil(max_length / page_size)`` entries; capacity rounds up to whole pages).
+          page_size: tokens per page, a power of two (16 by default, as vLLM).
+          num_pages: pages in the pool shared by all rows (all layers of a page together).
+            Default: enough for every row at ``max_length`` (no saving; size it for the
+            tokens you expect to hold at once).
+          bits: None for float pages, 8 or 4 for int8 / int4 codes with per-token scales.
+          dtype: the float dtype attention reads (and float pages store).
+          scale_dtype: dtype of the scales of quantized pages.
+          sharding: optional ``NamedSharding`` of one layer's ``[B, H, S, D]``: the pool
+            follows its heads axis, block tables and lengths its batch axis.
+
+        Raises:
+          ValueError: a size < 1, a page size that is not a power of two, bits not
+            None/8/4, an odd head_dim with int4.
+          TypeError: a non-floating dtype.
+        """
+        who = "PagedCache.init"
+        _check_sizes(
+            who, num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_length=max_length, page_size=page_size,
+        )
+        if page_size & (page_size - 1):
+            raise ValueError(f"{who}: page_size must be a power of two (attention reads whole pages), got {page_size}.")
+        max_pages = -(-max_length // page_size)
+        if num_pages is None:
+            num_pages = batch_size * max_pages
+        _check_sizes(who, num_pages=num_pages)
+        if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
+            raise ValueError(f"{who}: bits must be None (float pages), 8 or 4, got {bits!r}.")
+        if bits == 4 and head_dim % 2:
+            raise ValueError(f"{who}: int4 packs two values per byte, so head_dim must be even, got {head_dim}.")
+        dtype = _floating_dtype(dtype, who)
+        scale_dtype = _floating_dtype(scale_dtype, who)
+        return cls._allocate(
+            lambda: [PagedStorage.zeros(num_layers, batch_size, num_kv_heads, head_dim, num_pages, page_size,
+                                        max_pages, bits, dtype, scale_dtype)],
+            num_layers=num_layers, batch_size=batch_size, groups=(0,) * num_layers, sharding=sharding,
+        )
+
+    # ---- the pool
+
+    keys = storage_field("keys", "[L, P, H, ps, D'] key pages (16-bit floats: from the stored bits).", dtype_of="dtype")
+    values = storage_field("values", "[L, P, H, ps, D'] value pages.", dtype_of="dtype")
+    block_table = storage_field("block_table", "int32[B, M]: page of each block of each row (-1: none).")
+    refcount = storage_field("refcount", "int32[P]: holders of each page (0: free).")
+    page_size = storage_field("page_size", "Tokens per page.")
+    num_pages = storage_field("num_pages", "Pages in the pool.")
+    max_pages = storage_field("max_pages", "Block-table entries per row.")
+    max_length = storage_field("capacity", "Tokens one row can hold (max_pages * page_size).")
+    bits = storage_field("bits", "None, 8 or 4.")
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+    @property
+    def free_pages(self) -> int | Array:
+        """Pages no row or pin holds: an int eagerly, an int32 scalar under jit."""
+        n = jnp.sum(self.refcount == 0, dtype=jnp.int32)
+        return n if _is_traced(n) else int(n)
+
+    @property
+    def out_of_pages(self) -> Array:
+        """bool[B]: rows that lost a write because the pool had no free page (sticky)."""
+        from jaxkv.caches._checks import OUT_OF_PAGES
+
+        return (self.flags & OUT_OF_PAGES) != 0
+
+    def row_pages(self, row: int) -> list[int]:
+        """The pages row ``row`` holds, in position order (host)."""
+        table = np.asarray(self.block_table[_check_row_indices(jnp.asarray([row]), self.batch_size, "row_pages")[0]])
+        return [int(p) for p in table if p >= 0]
+
+    def retain(self, pages: Any) -> PagedCache:
+        """Pins ``pages`` (int[N], ``-1`` ignored): they stay allocated with no row holding
+        them (a prefix index keeping a shared prompt). Undo with :meth:`release`."""
+        return self._pinned(pages, 1, "PagedCache.retain")
+
+    def release(self, pages: Any) -> PagedCache:
+        """Drops one pin from each of ``pages`` (a page with no holder left is free)."""
+        return self._pinned(pages, -1, "PagedCache.release")
+
+    def attach_prefix(self, row: Any, pages: Any, num_tokens: Any) -> PagedCache:
+        """Makes the empty row ``row`` start with the tokens held in ``pages`` (int[N],
+        full pages in position order, ``-1`` padding at the end): ``num_tokens`` tokens in
+        every layer, sharing the pages (no copy). The prefill of a request whose prompt
+        starts with a cached prefix then writes only the rest.
+
+        Raises:
+          ValueError: (eagerly) the row is not empty, ``num_tokens`` is not
+            ``len(pages) * page_size``, or a page is free (not held by a row or pin).
+        """
+        who = "PagedCache.attach_prefix"
+        store = self.stores[0]
+        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+        if pages.shape[0] > store.max_pages:
+            raise ValueError(f"{who}: {pages.shape[0]} pages exceed the {store.max_pages} a row can hold.")
+        row = jnp.asarray(row, jnp.int32)
+        num_tokens = jnp.asarray(num_tokens, jnp.int32)
+        if not _is_traced(pages, row, num_tokens):
+            r, host_pages, n = int(row), np.asarray(pages), int(num_tokens)
+            if not 0 <= r < self.batch_size:
+                raise ValueError(f"{who}: row {r} is out of range for batch size {self.batch_size}.")
+            if np.asarray(self.lengths[:, r]).any() or (np.asarray(store.block_table[r]) >= 0).any():
+                raise ValueError(f"{who}: row {r} is not empty; reset it first.")
+            used = host_pages[host_pages >= 0]
+            if n != used.size * store.page_size:
+                raise ValueError(
+                    f"{who}: num_tokens={n} must be the pages' tokens ({used.size} full pages of {store.page_size})."
+                )
+            if used.size and (np.asarray(store.refcount)[used] <= 0).any():
+                raise ValueError(f"{who}: pages {used.tolist()} include a free page; retain cached pages first.")
+        entries = jnp.full((store.max_pages,), NO_PAGE, jnp.int32).at[: pages.shape[0]].set(pages)
+        table = store.block_table.at[row].set(entries, mode="drop")
+        store = dataclasses.replace(store, block_table=table).pinned(pages, 1)
+        lengths = self.lengths.at[:, row].set(num_tokens, mode="drop")
+        return dataclasses.replace(self, stores=(store,), lengths=lengths)._constrained()
+
+    def _pinned(self, pages: Any, delta: int, who: str) -> PagedCache:
+        pages = jnp.asarray(pages)
+        if not jnp.issubdtype(pages.dtype, jnp.integer):
+            raise TypeError(f"{who}: pages must be integer page ids, got dtype {pages.dtype}.")
+        pages = pages.astype(jnp.int32).reshape(-1)
+        store = self.stores[0]
+        if not _is_traced(pages):
+            host = np.asarray(pages)
+            bad = host[(host >= store.num_pages) | (host < -1)]
+            if bad.size:
+                raise ValueError(f"{who}: page ids {bad.tolist()} are outside [0, {store.num_pages}).")
+            if delta < 0:
+                counts = np.asarray(store.refcount)
+                ids, times = np.unique(host[host >= 0], return_counts=True)
+                under = ids[counts[ids] < times]
+                if under.size:
+                    raise ValueError(f"{who}: pages {under.tolist()} are not held; release only what was retained.")
+        return dataclasses.replace(self, stores=(store.pinned(pages, delta),))._constrained()
