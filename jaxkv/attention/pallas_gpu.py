@@ -1,0 +1,509 @@
+"""Decode attention on GPU: Pallas (Triton) split-K kernels over the cache protocol's views.
+
+The blockwise XLA loop (:mod:`jaxkv.attention.blockwise`) is a ``while`` loop whose body is a
+few XLA kernels per block of slots: on a GPU that is kernel launches per block, and it read
+the cache at 2-8% of HBM bandwidth on an H200 (issue 14). The kernels here read the same
+slots in one launch, as flash decoding does:
+
+* **Grid** ``(B, H, NS)``: one program per batch row, kv head and split. Row ``b`` visits
+  only its range ``[lo_b, hi_b)``: ``hi_b = min(lengths[b], last query position + 1)`` and,
+  with a window ``W``, ``lo_b`` = the first position its earliest query still sees, rounded
+  down to a block. That range (not the capacity) is cut into ``NS`` equal, block-aligned
+  chunks, so the work and the parallelism follow the tokens stored: a row at fill 1K in a
+  64K buffer reads 1K slots, spread over all ``NS`` programs.
+* **GQA**: the ``G`` query heads of a kv head and the ``T <= 16`` queries of the row are the
+  ``G * T`` rows of one ``[M, D]`` query tile (padded to a power of two, at least 16, for
+  Triton's dot); each key/value block ``[BK, D]`` is loaded once for all of them and enters
+  two matrix products (``q k^T`` and ``p v``) with float32 accumulation.
+* **In place**: the kernels take the whole stacked ``[L, B, H, S, D]`` buffers (as stored:
+  16-bit floats as uint16 bits, bitcast in the kernel) and the layer index as an operand
+  (a traced int is fine): no layer is sliced or copied out first.
+* **Split merge**: each program writes its partial ``(acc [M, D], m [M], l [M])`` (unnormalised
+  weighted values, running max, running sum of ``exp(logit - m)``); a small XLA step merges
+  the splits by log-sum-exp: ``out = sum_j e^(m_j - m) acc_j / sum_j e^(m_j - m) l_j``.
+* **Quantized** (:class:`~jaxkv.caches.QuantizedView`): the kernel reads int8 codes (or
+  uint8 bytes holding two int4) and the per-token scales, and dequantizes in registers: the
+  scale of a key is applied to its logit (``(q . codes) * s_k``) and the scale of a value to
+  its weight (``(p * s_v) . codes``), so codes enter the products as exact small integers.
+  int4 keeps its packing: the even and odd head-dim elements are two half-width products
+  (queries are split the same way outside the kernel), so nothing is interleaved in the
+  kernel. Slots whose position a used residual slot holds are skipped in the kernel; the
+  residual's exact tokens (``R`` slots) are attended densely in XLA and merged as one more
+  split, so every position is counted exactly once, residual copy first.
+* **LayerView** (rings, DynamicCache, encoder states) keeps the dense :func:`attend` path:
+  a ring holds at most its window (O(window) whatever the context), a DynamicCache's
+  arrays hold exactly its tokens, so no capacity is wasted there and a dense masked
+  attention is a few fused XLA ops; a kernel over slots with explicit positions would
+  read the same bytes. :func:`unsupported_reason` says so for such a view.
+
+Visibility is :mod:`jaxkv.attention`'s rule: slot ``s`` of row ``b`` is seen by the query at
+``p`` iff ``s < lengths[b]``, ``s <= p`` and, with a window, ``p - s < W``; an optional soft
+cap turns logits into ``c * tanh(logits / c)``. Window and soft cap are runtime operands
+(one compiled kernel serves every value).
+
+Non-finite contract (the one of :mod:`jaxkv.attention.blockwise`, the XLA loop and the CPU
+kernel): a slot a query cannot see never affects it, whatever it holds (its value rows are
+zeroed before the product and its logit replaced, never added); if a slot the query sees
+has a non-finite raw logit (``q . k * scale`` before the soft cap; for a quantized slot a
+non-finite key scale gives one) or a non-finite value element (a non-finite value scale),
+the query's whole output row is NaN (the split marks its ``l`` NaN and the merge spreads
+it); otherwise the usual softmax; a query that sees nothing gets zeros.
+
+What applies (:func:`unsupported_reason`): :class:`~jaxkv.caches.ContiguousView` and
+:class:`~jaxkv.caches.QuantizedView`, at most 16 queries per row, float32/bfloat16/float16
+queries and cache, head dim a power of two >= 16 (>= 32 for int4), capacity a multiple of
+16, ``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
+default device is a GPU (``JAXKV_PALLAS_GPU=1`` forces them wherever they apply, in
+interpret mode off a GPU; ``=0`` turns them off). On CPU they run in Pallas interpret mode
+(``tests/test_pallas_gpu.py``: the float64 reference and the contract); GPU figures come
+from ``benchmarks/bench_device.py``.
+
+Shapes: B rows, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim,
+M = G * T padded, BK slots per block, NS splits, R residual slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxkv.caches.views import ContiguousView, QuantizedView
+
+__all__ = ["ENV_VAR", "interpret_default", "pallas_attend_view", "unsupported_reason", "use_pallas"]
+
+#: ``"auto"`` (default): the kernels when the default device is a GPU; ``"1"``: wherever
+#: they apply (interpret mode off a GPU, for tests); ``"0"``: never.
+ENV_VAR = "JAXKV_PALLAS_GPU"
+
+MAX_QUERIES = 16
+_MAX_ROWS = 128  # G * T: one query tile of at most 128 x D float32 stays in registers
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_NEG_INF = float("-inf")
+
+
+def _platform() -> str:
+    from jaxkv.attention.blockwise import _default_platform  # one definition of "where it runs"
+
+    return _default_platform()
+
+
+def use_pallas(queries: jax.Array, view: Any) -> bool:
+    """Whether :func:`jaxkv.attention.attend_view` takes the Pallas kernels for this call.
+
+    ``JAXKV_PALLAS_GPU`` decides (``auto``, ``1``, ``0``; see :data:`ENV_VAR`); in every
+    mode the inputs must be ones the kernels take (:func:`unsupported_reason`).
+    """
+    mode = os.environ.get(ENV_VAR, "auto")
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"{ENV_VAR} must be 'auto', '1' or '0', got {mode!r}.")
+    if mode == "0" or (mode == "auto" and _platform() != "gpu"):
+        return False
+    return unsupported_reason(queries, view) is None
+
+
+def interpret_default() -> bool:
+    """True off a GPU: there the kernels can only run in Pallas interpret mode."""
+    return _platform() != "gpu"
+
+
+def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
+    """Why the kernels cannot take these inputs, or None when they can."""
+    if not isinstance(view, (ContiguousView, QuantizedView)):
+        return (f"{type(view).__name__} is attended densely (a ring holds O(window) slots, a "
+                "dynamic cache exactly its tokens); the kernels take contiguous and quantized views")
+    if queries.ndim != 4:
+        return f"queries must be [B, Hq, T, D], got shape {queries.shape}"
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
+    if kv_batch != batch or num_q_heads % num_kv_heads:
+        return f"queries {queries.shape} do not fit the cache {view.keys.shape} (same B; Hq a multiple of H)"
+    if num_tokens > MAX_QUERIES:
+        return f"{num_tokens} queries per row; the kernels take at most {MAX_QUERIES} (prefill uses the XLA loop)"
+    if (num_q_heads // num_kv_heads) * num_tokens > _MAX_ROWS:
+        return f"G * T = {(num_q_heads // num_kv_heads) * num_tokens} query rows per kv head; at most {_MAX_ROWS}"
+    kv_dtype = jnp.dtype(view.dtype)
+    if jnp.dtype(queries.dtype) not in _FLOATS or kv_dtype not in _FLOATS:
+        return f"dtypes {queries.dtype} (queries) and {kv_dtype} (cache); the kernels take float32, bfloat16, float16"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim}; the kernels take powers of two >= 16 (Triton tiles)"
+    if num_slots % 16:
+        return f"capacity {num_slots}; the kernels take multiples of 16"
+    if isinstance(view, QuantizedView):
+        if view.bits not in (4, 8):
+            return f"{view.bits}-bit codes; the kernels take 8 and 4"
+        if stored != (head_dim if view.bits == 8 else head_dim // 2) or view.residual_keys.shape[-1] != head_dim:
+            return f"codes {view.keys.shape} do not fit head_dim {head_dim} at {view.bits} bits"
+        if view.bits == 4 and head_dim < 32:
+            return "int4 with head_dim < 32 (each half-width product needs 16)"
+        if jnp.dtype(view.scale_dtype) not in _FLOATS:
+            return f"scale dtype {view.scale_dtype}"
+    elif stored != head_dim:
+        return f"keys {view.keys.shape} do not fit head_dim {head_dim}"
+    return None
+
+
+def pallas_attend_view(
+    queries: jax.Array,  # [B, Hq, T, D]
+    view: Any,  # ContiguousView or QuantizedView
+    *,
+    q_positions: jax.Array,  # [B, T] int
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    interpret: bool = False,
+    num_splits: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:  # [B, Hq, T, D]
+    """Attention of new queries over one layer's view with the Pallas split-K kernels.
+
+    Computes what :func:`jaxkv.attention.attend_view` computes for the view (the visibility
+    rule and non-finite contract of the module docstring), reading only the slots each row
+    has filled (and, with a window, still sees).
+
+    Args:
+        queries: [B, Hq, T, D] position-encoded queries.
+        view: a :class:`~jaxkv.caches.ContiguousView` or :class:`~jaxkv.caches.QuantizedView`.
+        q_positions: [B, T] absolute query positions.
+        sliding_window: optional window W (a query at p sees positions > p - W).
+        logit_softcap: optional soft cap c > 0.
+        scale: logit scale, ``1 / sqrt(D)`` if None.
+        interpret: run the kernels in Pallas interpret mode (any backend; how they are
+            tested on CPU). False lowers them with Triton, which needs a GPU.
+        num_splits: NS, splits of each row's range (default: enough programs to fill a GPU,
+            at most one per block of the capacity).
+        block_k: BK, slots per block (default 64, or the largest power of two dividing the
+            capacity below that; at least 16).
+
+    Returns:
+        [B, Hq, T, D] in the dtype of ``queries``.
+
+    Raises:
+        ValueError: inputs the kernels do not take (the reason of :func:`unsupported_reason`),
+            a bad window, soft cap, split count or block size, or q_positions of the wrong shape.
+
+    Example:
+        >>> cache, view = cache.write(k, v, layer)                          # doctest: +SKIP
+        >>> out = pallas_attend_view(q, view, q_positions=positions)         # doctest: +SKIP
+    """
+    why = unsupported_reason(queries, view)
+    if why is not None:
+        raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    num_slots = view.keys.shape[3]
+    if q_positions.shape != (batch, num_tokens):
+        raise ValueError(f"pallas_attend_view: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"pallas_attend_view: logit_softcap must be positive or None, got {logit_softcap!r}.")
+    if block_k is None:
+        block_k = 64
+        while num_slots % block_k:
+            block_k //= 2
+    if not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1) or num_slots % block_k:
+        raise ValueError(
+            f"pallas_attend_view: block_k must be a power of two >= 16 dividing the capacity {num_slots}, got {block_k!r}."
+        )
+    num_kv_heads = view.keys.shape[2]
+    max_splits = num_slots // block_k
+    if num_splits is None:
+        # Enough programs for ~4 per streaming multiprocessor of a large GPU (132 on an H200).
+        num_splits = max(1, min(max_splits, 64, -(-512 // (batch * num_kv_heads))))
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= max_splits:
+        raise ValueError(f"pallas_attend_view: num_splits must be an int in [1, {max_splits}], got {num_splits!r}.")
+    options = jnp.array([0 if sliding_window is None else sliding_window], jnp.int32)
+    floats = jnp.array([head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0], jnp.float32)
+    static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret))
+    q_positions = q_positions.astype(jnp.int32)
+    if isinstance(view, ContiguousView):
+        return _run(_contiguous, interpret)(queries, view.keys, view.values, jnp.asarray(view.layer, jnp.int32), view.lengths.astype(
+            jnp.int32), q_positions, options, floats, kv_dtype=jnp.dtype(view.dtype), **static)
+    return _run(_quantized, interpret)(
+        queries, view.keys, view.values, view.key_scales, view.value_scales, view.residual_keys,
+        view.residual_values, view.residual_positions.astype(jnp.int32), jnp.asarray(view.layer, jnp.int32),
+        view.lengths.astype(jnp.int32), q_positions, options, floats, bits=view.bits, kv_dtype=jnp.dtype(view.dtype),
+        scale_dtype=jnp.dtype(view.scale_dtype), **static,
+    )
+
+
+# ---------------------------------------------------------------------------- the kernel
+
+
+def _split_kernel(
+    ints_ref,  # int32[2]: layer, window (0: none)
+    floats_ref,  # f32[2]: logit scale, soft cap (0: none)
+    bounds_ref,  # int32[B, 8]: length, lo, hi, residual lo, residual hi (per row)
+    qpos_ref,  # int32[B, M]: position of each query row (-1: padding, sees nothing)
+    rpos_ref,  # int32[B, R']: positions the residual holds (-1: none); unused when not quantized
+    q_ref,  # [M, D] this (b, h)'s query tile (int4: [even half | odd half])
+    k_ref,  # [L, B, H, S, D'] stacked keys as stored
+    v_ref,  # [L, B, H, S, D']
+    ks_ref,  # [L, B, H, S] key scales as stored; unused when not quantized
+    vs_ref,  # [L, B, H, S]
+    acc_ref,  # out [M, D] float32
+    m_ref,  # out [M] float32
+    l_ref,  # out [M] float32 (NaN: a visible slot was non-finite)
+    *,
+    num_splits: int,
+    block_k: int,
+    compute_dtype: Any,
+    value_dtype: Any,
+    stored_dtype: Any,
+    bits: int | None,
+    scale_dtype: Any,
+    residual: bool,
+):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, window = ints_ref[0], ints_ref[1]
+    logit_scale, softcap = floats_ref[0], floats_ref[1]
+    length, lo, hi = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
+    # This split's share of the row's range [lo, hi): block-aligned chunks of equal size.
+    span = jnp.maximum(hi - lo, 0)
+    chunk = pl.cdiv(pl.cdiv(span, num_splits), block_k) * block_k
+    start = lo + j * chunk
+    num_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, hi) - start, 0), block_k)
+
+    qpos = qpos_ref[b, :]  # [M]
+    rows, width = q_ref.shape
+    parts = 2 if bits == 4 else 1  # int4: even and odd head-dim elements are separate products
+    part = width // parts
+    q_parts = [q_ref[:, pl.ds(i * part, part)].astype(compute_dtype) for i in range(parts)]
+    if residual:
+        rpos = rpos_ref[b, :]  # [R']
+        res_lo, res_hi = bounds_ref[b, 3], bounds_ref[b, 4]
+
+    def load_block(off):
+        """Keys and values of slots [off, off + BK) as products' operands, their scales, and
+        which value rows are non-finite."""
+        at = (layer, b, h, pl.ds(off, block_k))
+        keys, values = k_ref[(*at, slice(None))], v_ref[(*at, slice(None))]
+        if bits is None:
+            keys, values = (x if x.dtype == stored_dtype else jax.lax.bitcast_convert_type(x, stored_dtype)
+                            for x in (keys, values))
+            finite = jnp.isfinite(values.astype(jnp.float32))
+            bad_value = jnp.min(finite.astype(jnp.float32), axis=1) < 1.0  # [BK]
+            values = jnp.where(finite, values, jnp.zeros((), values.dtype))
+            return [keys.astype(compute_dtype)], [values.astype(value_dtype)], None, None, bad_value
+        k_scale, v_scale = (s if s.dtype == scale_dtype else jax.lax.bitcast_convert_type(s, scale_dtype)
+                            for s in (ks_ref[at], vs_ref[at]))
+        k_scale, v_scale = k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)
+        bad_value = ~jnp.isfinite(v_scale)
+        v_scale = jnp.where(bad_value, 0.0, v_scale)
+        if bits == 8:
+            key_parts, value_parts = [keys], [values]
+        else:  # two's complement nibbles: low = element 2i, high = element 2i + 1
+            key_parts, value_parts = ([((x & 15) ^ 8) - 8, (((x >> 4) & 15) ^ 8) - 8]
+                                      for x in (keys.astype(jnp.int32), values.astype(jnp.int32)))
+        return ([x.astype(compute_dtype) for x in key_parts], [x.astype(value_dtype) for x in value_parts],
+                k_scale, v_scale, bad_value)
+
+    def body(i, carry):
+        running_max, running_sum, flag, *acc = carry
+        off = start + i * block_k
+        slots = off + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        keys, values, k_scale, v_scale, bad_value = load_block(off)
+        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                  for qp, kp in zip(q_parts, keys))  # [M, BK]
+        if k_scale is not None:
+            raw = raw * k_scale[None, :]
+        raw = raw * logit_scale
+        visible = (slots[None, :] < length) & (slots[None, :] <= qpos[:, None])
+        visible = visible & ((window <= 0) | (qpos[:, None] - slots[None, :] < window))
+        if residual:  # positions a used residual slot holds are counted there, exactly
+            def covered():
+                hit = jnp.where(slots[:, None] == rpos[None, :], 1, 0)
+                return jnp.max(hit, axis=1)
+
+            near = (off < res_hi) & (off + block_k > res_lo)
+            skip = jax.lax.cond(near, covered, lambda: jnp.zeros((block_k,), jnp.int32))
+            visible = visible & (skip[None, :] == 0)
+        bad = ~jnp.isfinite(raw) | bad_value[None, :]
+        flag = jnp.maximum(flag, jnp.max(jnp.where(visible & bad, 1.0, 0.0), axis=1))
+        capped = jnp.where(softcap > 0, softcap * jnp.tanh(raw / softcap), raw)
+        logits = jnp.where(visible & ~bad, capped, _NEG_INF)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+        safe_max = jnp.where(new_max > _NEG_INF, new_max, 0.0)
+        weights = jnp.exp(logits - safe_max[:, None])  # exactly 0 where not seen
+        correction = jnp.exp(running_max - safe_max)  # 0 while nothing was seen
+        running_sum = running_sum * correction + jnp.sum(weights, axis=1)
+        if v_scale is not None:
+            weights = weights * v_scale[None, :]
+        weights = weights.astype(value_dtype)
+        acc = [a * correction[:, None] + jax.lax.dot_general(
+            weights, vp, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) for a, vp in zip(acc, values)]
+        return (new_max, running_sum, flag, *acc)
+
+    carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows,), jnp.float32), *[jnp.zeros((rows, part), jnp.float32) for _ in range(parts)])
+    running_max, running_sum, flag, *acc = jax.lax.fori_loop(0, num_blocks, body, carry)
+    for i, a in enumerate(acc):
+        acc_ref[:, pl.ds(i * part, part)] = a
+    m_ref[...] = running_max
+    l_ref[...] = jnp.where(flag > 0, jnp.nan, running_sum)
+
+
+# Interpret mode is how the kernels are tested off a GPU: the emulated grid is a small while
+# loop that XLA's optimisation passes barely speed up, and compiling it without them takes
+# about half the time (measured on the 2-core CI machine: 1.3 s against 2.3-2.7 s).
+_INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, interpret: bool):
+    """``fn`` jitted; its keyword-only parameters are the static ones."""
+    static = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return jax.jit(fn, static_argnames=static, compiler_options=_INTERPRET_COMPILER_OPTIONS if interpret else None)
+
+
+def _run(fn, interpret: bool):
+    """``fn`` as called now: inside a caller's trace (a jitted model step) it is traced in
+    place (the caller's jit compiles it, and XLA allows compiler options only there);
+    called eagerly, it is jitted once per static configuration."""
+    if isinstance(jnp.zeros(()), jax.core.Tracer):
+        return fn
+    return _jitted(fn, interpret)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _query_rows(queries, q_positions, num_kv_heads):
+    """[B, Hq, T, D] -> [B, H, M, D] (row g * T + t), positions [B, M] (-1: padding)."""
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    used = num_q_heads // num_kv_heads * num_tokens
+    rows = max(16, _next_pow2(used))
+    q = queries.reshape(batch, num_kv_heads, used, head_dim)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - used), (0, 0)))
+    qpos = jnp.tile(q_positions, (1, used // num_tokens))
+    qpos = jnp.pad(qpos, ((0, 0), (0, rows - used)), constant_values=-1)
+    return q, qpos, used
+
+
+def _row_bounds(q_positions, lengths, window, num_slots, block_k, extra=()):
+    """int32[B, 8]: length, first slot any query of the row sees (block-aligned), one past
+    the last; then ``extra`` columns."""
+    hi = jnp.clip(jnp.minimum(lengths, jnp.max(q_positions, axis=1) + 1), 0, num_slots)
+    lo = jnp.where(window > 0, jnp.maximum(jnp.min(q_positions, axis=1) - window + 1, 0), 0)
+    lo = jnp.minimum(lo // block_k * block_k, hi)
+    columns = [lengths, lo, hi, *extra]
+    zeros = jnp.zeros_like(lengths)
+    return jnp.stack(columns + [zeros] * (8 - len(columns)), axis=1).astype(jnp.int32)
+
+
+def _call_kernel(q, qpos, bounds, rpos, ints, floats, keys, values, key_scales, value_scales, *, num_splits,
+                 block_k, interpret, **kernel_static):
+    batch, num_kv_heads, rows, width = q.shape
+    kernel = functools.partial(_split_kernel, num_splits=num_splits, block_k=block_k, **kernel_static)
+    whole = pl.no_block_spec  # the whole array: the kernel indexes the stacked buffers itself
+    tile = pl.BlockSpec((None, None, rows, width), lambda b, h, j: (b, h, 0, 0))
+    out_tile = pl.BlockSpec((None, None, None, rows, width), lambda b, h, j: (b, h, j, 0, 0))
+    out_row = pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0))
+    stats = jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[whole] * 5 + [tile] + [whole] * 4,
+        out_specs=[out_tile, out_row, out_row],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, width), jnp.float32), stats, stats],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jaxkv_split_decode",
+    )(ints, floats, bounds, qpos, rpos, q, keys, values, key_scales, value_scales)
+
+
+def _merge(acc, running_max, running_sum):
+    """Log-sum-exp merge over axis 2 (splits): acc [B, H, NS, M, D], stats [B, H, NS, M]."""
+    marked = jnp.any(jnp.isnan(running_sum), axis=2)
+    top = jnp.max(running_max, axis=2, keepdims=True)
+    weight = jnp.where(running_max > _NEG_INF, jnp.exp(running_max - jnp.where(top > _NEG_INF, top, 0.0)), 0.0)
+    total = jnp.sum(jnp.where(jnp.isnan(running_sum), 0.0, running_sum) * weight, axis=2)
+    out = jnp.sum(acc * weight[..., None], axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    bad = marked[..., None] | ~jnp.all(jnp.isfinite(out), axis=-1, keepdims=True)
+    return jnp.where(bad, jnp.nan, out)
+
+
+def _finish(out, queries, used):
+    batch, num_q_heads, num_tokens, head_dim = queries.shape
+    return out[:, :, :used].reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
+
+
+def _compute_dtype(queries, kv_dtype):
+    return jnp.promote_types(queries.dtype, kv_dtype)
+
+
+def _contiguous(queries, keys, values, layer, lengths, q_positions, options, floats, *, kv_dtype, num_splits, block_k,
+                interpret):
+    num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
+    compute = _compute_dtype(queries, kv_dtype)
+    q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
+    bounds = _row_bounds(q_positions, lengths, options[0], num_slots, block_k)
+    none = jnp.zeros((1,), jnp.int32)
+    acc, running_max, running_sum = _call_kernel(
+        q, qpos, bounds, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False,
+    )
+    return _finish(_merge(acc, running_max, running_sum), queries, used)
+
+
+def _dense_partial(q, keys, values, positions, used, qpos, window, floats):
+    """The residual's ``(acc, m, l)`` [B, H, 1, M(, D)], under the kernel's contract, in XLA:
+    q [B, H, M, D], keys/values [B, H, R, D], positions/used [B, R], qpos [B, M]."""
+    logit_scale, softcap = floats[0], floats[1]
+    raw = jnp.einsum("bhmd,bhrd->bhmr", q, keys, preferred_element_type=jnp.float32) * logit_scale
+    pos = positions[:, None, None, :]
+    visible = used[:, None, None, :] & (pos <= qpos[:, None, :, None])
+    visible = visible & ((window <= 0) | (qpos[:, None, :, None] - pos < window))
+    finite = jnp.isfinite(values)
+    bad = ~jnp.isfinite(raw) | ~jnp.all(finite, axis=-1)[:, :, None, :]
+    marked = jnp.any(visible & bad, axis=-1)
+    capped = jnp.where(softcap > 0, softcap * jnp.tanh(raw / softcap), raw)
+    logits = jnp.where(visible & ~bad, capped, _NEG_INF)
+    top = jnp.max(logits, axis=-1)
+    weights = jnp.exp(logits - jnp.where(top > _NEG_INF, top, 0.0)[..., None])
+    acc = jnp.einsum("bhmr,bhrd->bhmd", weights.astype(values.dtype), jnp.where(finite, values, 0),
+                     preferred_element_type=jnp.float32)
+    total = jnp.where(marked, jnp.nan, jnp.sum(weights, axis=-1))
+    return acc[:, :, None], top[:, :, None], total[:, :, None]
+
+
+def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions,
+               layer, lengths, q_positions, options, floats, *, bits, kv_dtype, scale_dtype, num_splits, block_k,
+               interpret):
+    num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
+    compute = _compute_dtype(queries, kv_dtype)
+    q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
+    num_residual = residual_keys.shape[2]
+    residual_used = (residual_positions >= 0) & (residual_positions < lengths[:, None])  # [B, R]
+    if num_residual:
+        held = jnp.where(residual_used, residual_positions, -1)
+        extra = (jnp.min(jnp.where(residual_used, residual_positions, num_slots), axis=1), jnp.max(held, axis=1) + 1)
+        rpos = jnp.pad(held, ((0, 0), (0, _next_pow2(num_residual) - num_residual)), constant_values=-1)
+    else:
+        extra, rpos = (), jnp.zeros((1,), jnp.int32)
+    bounds = _row_bounds(q_positions, lengths, options[0], num_slots, block_k, extra)
+    head_dim = q.shape[-1]
+    # int4: the kernel's products run over even, then odd head-dim elements.
+    order = jnp.concatenate([jnp.arange(0, head_dim, 2), jnp.arange(1, head_dim, 2)]) if bits == 4 else None
+    acc, running_max, running_sum = _call_kernel(
+        q if order is None else q[..., order], qpos, bounds, rpos, jnp.concatenate([layer[None], options]), floats,
+        keys, values, key_scales, value_scales, num_splits=num_splits, block_k=block_k, interpret=interpret,
+        compute_dtype=compute, value_dtype=kv_dtype, stored_dtype=None, bits=bits, scale_dtype=scale_dtype,
+        residual=bool(num_residual),
+    )
+    if order is not None:
+        acc = acc[..., jnp.argsort(order)]
+    if num_residual:
+        parts = _dense_partial(q, residual_keys.astype(compute), residual_values.astype(kv_dtype),
+                               residual_positions, residual_used, qpos, options[0], floats)
+        acc, running_max, running_sum = (jnp.concatenate([x, y], axis=2)
+                                         for x, y in zip((acc, running_max, running_sum), parts))
+    return _finish(_merge(acc, running_max, running_sum), queries, used)

@@ -1,0 +1,312 @@
+"""The Pallas split-K decode kernels (jaxkv.attention.pallas_gpu) against a float64 NumPy
+reference of the attention contract.
+
+On CPU the kernels run in Pallas interpret mode; where the default backend is a GPU
+(``JAX_PLATFORMS=cuda``) the same tests run the Triton kernels. Interpret mode compiles
+slowly, so each static configuration (dtype, G, T, bits) is one shape used by several
+tests: windows, soft caps, layers, split counts of the same shape and the non-finite
+scenarios reuse one compiled program (window and soft cap are runtime operands).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkv.attention import attend_view, pallas_attend_view
+from jaxkv.attention import pallas_gpu
+from jaxkv.caches.views import ContiguousView, LayerView, QuantizedView
+from reference import numpy_attention
+
+INTERPRET = jax.default_backend() != "gpu"
+LAYERS, HEADS, SLOTS, DIM = 3, 2, 64, 32
+# Rows: full, ragged, empty, one token, and queries well before the fill (a prefix is seen).
+LENGTHS = np.array([SLOTS, 37, 0, 1, SLOTS])
+SETTINGS = [(2, None, None), (0, 7, None), (1, None, 4.0), (2, 20, 2.5)]  # (layer, window, soft cap)
+
+
+def contract_reference(q, k, v, q_pos, kv_len, window=None, softcap=None):
+    """float64: softmax over the visible slots; NaN rows where a visible slot has a
+    non-finite raw logit or value element; zeros where nothing is visible. k, v [B, H, S, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    slots = np.arange(k.shape[2])
+    pos = np.asarray(q_pos)[:, None, :, None]  # [B, 1, T, 1]
+    visible = (slots < np.asarray(kv_len)[:, None, None, None]) & (slots <= pos)
+    if window is not None:
+        visible &= pos - slots < window
+    with np.errstate(invalid="ignore", over="ignore"):
+        raw = np.einsum("bhtd,bhsd->bhts", q, k) / np.sqrt(q.shape[-1])
+    bad = ~np.isfinite(raw) | ~np.isfinite(v).all(-1)[:, :, None, :]
+    marked = (visible & bad).any(-1)
+    logits = np.where(np.isfinite(raw), raw, 0.0)
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    logits = np.where(visible, logits, -np.inf)
+    top = logits.max(-1, keepdims=True)
+    weights = np.where(visible, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    weights /= np.maximum(weights.sum(-1, keepdims=True), 1e-300)
+    out = np.einsum("bhts,bhsd->bhtd", weights, np.where(np.isfinite(v), v, 0.0))
+    return np.where(marked[..., None], np.nan, out)
+
+
+def query_positions(tokens):
+    last = [np.maximum(n - tokens, 0) + np.arange(tokens) for n in LENGTHS]
+    last[-1] = 10 + np.arange(tokens)  # before the fill: sees slots 0..10+t only
+    return np.stack(last).astype(np.int32)
+
+
+def bf16_bits(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bf16_round(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def contiguous_case(dtype, groups, tokens, seed=0):
+    """Stacked [L, B, H, S, D] buffers (as stored) with NaN in every unfilled slot."""
+    rng = np.random.default_rng(seed)
+    batch = len(LENGTHS)
+    q = rng.standard_normal((batch, HEADS * groups, tokens, DIM)).astype(np.float32)
+    k = rng.standard_normal((LAYERS, batch, HEADS, SLOTS, DIM)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, batch, HEADS, SLOTS, DIM)).astype(np.float32) + 3.0
+    for b, n in enumerate(LENGTHS):
+        k[:, b, :, n:] = np.nan
+        v[:, b, :, n:] = np.nan
+    if dtype == jnp.bfloat16:  # the reference sees what the cache holds
+        q, k, v = (bf16_round(x).astype(np.float32) for x in (q, k, v))
+    return q, k, v, query_positions(tokens)
+
+
+def contiguous_view(k, v, layer, dtype):
+    stored = (bf16_bits(k), bf16_bits(v)) if dtype == jnp.bfloat16 else (k, v)
+    return ContiguousView(jnp.asarray(stored[0]), jnp.asarray(stored[1]), jnp.int32(layer),
+                          jnp.asarray(LENGTHS, jnp.int32), dtype)
+
+
+def run(q, view, q_pos, dtype=jnp.float32, **kw):
+    return pallas_attend_view(jnp.asarray(q, dtype), view, q_positions=jnp.asarray(q_pos), interpret=INTERPRET, **kw)
+
+
+def test_contract_reference_equals_the_loop_reference():
+    q, k, v, q_pos = contiguous_case(jnp.float32, 2, 3)
+    for window, softcap in [(None, None), (5, 3.0)]:
+        np.testing.assert_allclose(contract_reference(q, k[0], v[0], q_pos, LENGTHS, window, softcap),
+                                   numpy_attention(q, k[0], v[0], q_pos, LENGTHS, window, softcap), rtol=1e-12, atol=1e-12)
+
+
+# bf16: the output is rounded to bf16 and the softmax weights enter the value product as
+# bf16 (as in every jaxkv path): 2^-8 relative.
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2**-8}
+
+
+@pytest.mark.parametrize("dtype, groups, tokens", [(jnp.float32, 4, 1), (jnp.float32, 1, 4), (jnp.bfloat16, 4, 4)])
+def test_contiguous_matches_reference(dtype, groups, tokens):
+    """Ragged rows (full, partial, empty, one token, queries before the fill), windows, soft
+    caps, every layer of the stacked buffer; 4 blocks in 3 splits (the last one empty)."""
+    q, k, v, q_pos = contiguous_case(dtype, groups, tokens)
+    for layer, window, softcap in SETTINGS:
+        view = contiguous_view(k, v, layer, dtype)
+        want = contract_reference(q, k[layer], v[layer], q_pos, LENGTHS, window, softcap)
+        got = run(q, view, q_pos, dtype, sliding_window=window, logit_softcap=softcap, num_splits=3, block_k=16)
+        assert got.dtype == dtype and got.shape == q.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        assert not np.asarray(got[2]).any()  # the empty row sees nothing: zeros
+
+
+POISONS = [np.nan, np.inf, -np.inf]
+
+
+def test_contiguous_nonfinite_contract():
+    """One non-finite element per row per call, in a key or a value: in a visible slot
+    (that query's row is NaN), in a slot only some queries see (the window's start, the
+    future of the earlier queries), or in an unfilled one (no effect on anything)."""
+    q, k, v, q_pos = contiguous_case(jnp.float32, 1, 4)
+    window = 20
+    places = {  # row -> slot
+        "visible": lambda b: LENGTHS[b] - 1,
+        "future of earlier queries": lambda b: q_pos[b, -1],
+        "window start": lambda b: q_pos[b, 0] - window + 1,
+        "unfilled": lambda b: LENGTHS[b] + 1,
+    }
+    for poison_index, (place, slot_of) in enumerate(places.items()):
+        for array in ("keys", "values"):
+            poisoned_k, poisoned_v = k.copy(), v.copy()
+            target = poisoned_k if array == "keys" else poisoned_v
+            for b in range(len(LENGTHS)):
+                slot = int(slot_of(b))
+                if 0 <= slot < SLOTS:
+                    target[1, b, 0, slot, b % DIM] = POISONS[(b + poison_index) % 3]
+            want = contract_reference(q, poisoned_k[1], poisoned_v[1], q_pos, LENGTHS, window)
+            got = np.asarray(run(q, contiguous_view(poisoned_k, poisoned_v, 1, jnp.float32), q_pos,
+                                 sliding_window=window, num_splits=3, block_k=16))
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{place}, {array}")
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{place}, {array}")
+            if place == "visible":  # the last query of rows 0, 1, 3 sees the last slot (kv head 0 only)
+                assert np.isnan(got[[0, 1, 3], 0, -1]).all() and not np.isnan(got[:, 1]).any()
+
+
+# ---------------------------------------------------------------- quantized views
+
+RESIDUAL = 8
+
+
+def quantized_case(bits, dtype, groups, tokens, seed=1):
+    """Random codes and bf16 scales (NaN scales in unfilled slots), a residual of R exact
+    tokens per row, and the [L, B, H, S, D] keys/values the view stands for (float64)."""
+    rng = np.random.default_rng(seed)
+    batch = len(LENGTHS)
+    qmax = 127 if bits == 8 else 7
+    codes = rng.integers(-qmax, qmax + 1, size=(2, LAYERS, batch, HEADS, SLOTS, DIM))
+    scales = bf16_round(rng.uniform(0.005, 0.05, size=(2, LAYERS, batch, HEADS, SLOTS)))
+    for b, n in enumerate(LENGTHS):
+        scales[:, :, b, :, n:] = np.nan
+    if bits == 8:
+        stored = codes.astype(np.int8)
+    else:  # element 2i in the low nibble, 2i + 1 in the high one
+        nibbles = codes & 0xF
+        stored = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+    # Residual rows: the last R positions in ring order; scattered positions (one unused,
+    # past the length); none (empty row); one token; positions holding the window's edge.
+    positions = np.full((batch, RESIDUAL), -1, np.int32)
+    positions[0] = np.roll(np.arange(SLOTS - RESIDUAL, SLOTS), 3)
+    positions[1] = [3, 36, 20, 40, -1, 12, 35, 7]  # 40 >= length 37: unused
+    positions[3] = [-1, 0, -1, -1, -1, -1, -1, -1]
+    positions[4] = [9, 10, 11, 12, 13, 50, 60, 2]
+    residual = rng.standard_normal((2, batch, HEADS, RESIDUAL, DIM)).astype(np.float32)
+    if dtype == jnp.bfloat16:
+        residual = bf16_round(residual).astype(np.float32)
+    residual[1] += 3.0
+    for b in range(batch):  # unused residual slots may hold anything
+        unused = (positions[b] < 0) | (positions[b] >= LENGTHS[b])
+        residual[:, b, :, unused] = np.nan
+    q = rng.standard_normal((batch, HEADS * groups, tokens, DIM)).astype(np.float32)
+    if dtype == jnp.bfloat16:
+        q = bf16_round(q).astype(np.float32)
+    return dict(q=q, stored=stored, codes=codes, scales=scales, positions=positions, residual=residual,
+                q_pos=query_positions(tokens), bits=bits, dtype=dtype)
+
+
+def quantized_view(case, layer):
+    dtype = case["dtype"]
+    scale_bits = bf16_bits(case["scales"])
+    residual = jnp.asarray(case["residual"], dtype)
+    return QuantizedView(
+        jnp.asarray(case["stored"][0]), jnp.asarray(case["stored"][1]), jnp.asarray(scale_bits[0]),
+        jnp.asarray(scale_bits[1]), residual[0], residual[1], jnp.asarray(case["positions"]), jnp.int32(layer),
+        jnp.asarray(LENGTHS, jnp.int32), case["bits"], dtype, jnp.bfloat16,
+    )
+
+
+def quantized_reference(case, layer, window=None, softcap=None):
+    """Attention over the layer dequantized (held in the model dtype), with the used
+    residual slots' exact tokens in place."""
+    with np.errstate(invalid="ignore"):
+        dense = case["codes"][:, layer] * case["scales"][:, layer, ..., None]
+    dense = bf16_round(dense) if case["dtype"] == jnp.bfloat16 else dense.astype(np.float32).astype(np.float64)
+    k, v = dense
+    for b, row in enumerate(case["positions"]):
+        for r, p in enumerate(row):
+            if 0 <= p < LENGTHS[b]:
+                k[b, :, p], v[b, :, p] = case["residual"][0, b, :, r], case["residual"][1, b, :, r]
+    return contract_reference(case["q"], k, v, case["q_pos"], LENGTHS, window, softcap)
+
+
+QUANTIZED = [(8, jnp.float32, 4, 1), (4, jnp.bfloat16, 1, 4)]
+
+
+@pytest.mark.parametrize("bits, dtype, groups, tokens", QUANTIZED)
+def test_quantized_with_residual_matches_reference(bits, dtype, groups, tokens):
+    case = quantized_case(bits, dtype, groups, tokens)
+    for layer, window, softcap in SETTINGS:
+        got = run(case["q"], quantized_view(case, layer), case["q_pos"], dtype, sliding_window=window,
+                  logit_softcap=softcap, num_splits=3, block_k=16)
+        assert got.dtype == dtype
+        want = quantized_reference(case, layer, window, softcap)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_quantized_nonfinite_contract():
+    """A NaN/inf scale or residual token in a slot the queries see makes their rows NaN; in
+    unfilled slots and unused residual slots (NaN throughout the case) nothing changes."""
+    case = quantized_case(*QUANTIZED[0])
+    layer = 2
+    for name in ("key scale", "value scale", "residual key", "residual value"):
+        poisoned = {**case, "scales": case["scales"].copy(), "residual": case["residual"].copy()}
+        if name.endswith("scale"):
+            which = 0 if name.startswith("key") else 1
+            poisoned["scales"][which, layer, 1, 0, 5] = np.inf  # row 1, slot 5: seen, not in the residual
+        else:
+            which = 0 if name.endswith("key") else 1
+            poisoned["residual"][which, 0, 1, 2] = np.nan  # row 0, kv head 1, a used slot
+        got = np.asarray(run(case["q"], quantized_view(poisoned, layer), case["q_pos"], num_splits=3, block_k=16))
+        want = quantized_reference(poisoned, layer)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        assert np.isnan(got).any(), name
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------- dispatch and limits
+
+
+def test_forced_dispatch_takes_the_kernel_with_a_traced_layer(monkeypatch):
+    """JAXKV_PALLAS_GPU=1: attend_view runs the kernel (a pallas_call in the program),
+    under jit with the layer index traced; =0 and LayerViews keep the other paths."""
+    q, k, v, q_pos = contiguous_case(jnp.float32, 4, 1)
+
+    def step(q, k, v, layer):
+        view = ContiguousView(k, v, layer, jnp.asarray(LENGTHS, jnp.int32), jnp.float32)
+        return attend_view(q, view, q_positions=jnp.asarray(q_pos), sliding_window=7)
+
+    def program(*args):  # the mode is read when tracing: a fresh function is traced anew
+        return str(jax.make_jaxpr(lambda *a: step(*a))(*args))
+
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(0))
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    assert "pallas_call" in program(*args)
+    jitted = jax.jit(step, compiler_options=pallas_gpu._INTERPRET_COMPILER_OPTIONS if INTERPRET else None)
+    for layer in (0, 2):
+        got = jitted(*args[:3], jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(got), contract_reference(q, k[layer], v[layer], q_pos, LENGTHS, 7),
+                                   rtol=2e-5, atol=2e-5)
+    dense = LayerView(jnp.asarray(k[0]), jnp.asarray(v[0]), None, jnp.asarray(LENGTHS, jnp.int32), None)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda q: attend_view(q, dense, q_positions=jnp.asarray(q_pos)))(
+        args[0]))
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "0")
+    assert "pallas_call" not in program(*args)
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "auto")
+    assert ("pallas_call" in program(*args)) == (jax.default_backend() == "gpu")
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="JAXKV_PALLAS_GPU must be 'auto', '1' or '0'"):
+        program(*args)
+
+
+def test_what_the_kernels_do_not_take():
+    def view(slots=SLOTS, dim=DIM):
+        buffer = jnp.zeros((1, 1, 1, slots, dim))
+        return ContiguousView(buffer, buffer, 0, jnp.zeros((1,), jnp.int32), jnp.float32)
+
+    def call(q, v, **kw):
+        return pallas_attend_view(q, v, q_positions=jnp.zeros(q.shape[::2][:2], jnp.int32), interpret=True, **kw)
+
+    q = jnp.zeros((1, 2, 1, DIM))
+    for bad_q, bad_view, message in [
+        (jnp.zeros((1, 2, 17, DIM)), view(), "17 queries per row; the kernels take at most 16"),
+        (jnp.zeros((1, 2, 1, 24)), view(dim=24), "head_dim 24"),
+        (q, view(slots=40), "capacity 40; the kernels take multiples of 16"),
+        (q.astype(jnp.int32), view(), "the kernels take float32, bfloat16, float16"),
+        (q, LayerView(jnp.zeros((1, 1, 8, DIM)), jnp.zeros((1, 1, 8, DIM)), None, jnp.zeros((1,), jnp.int32), 4),
+         "LayerView is attended densely"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(bad_q, bad_view)
+        assert not pallas_gpu.use_pallas(bad_q, bad_view)
+    for kw, message in [(dict(num_splits=5, block_k=16), r"num_splits must be an int in \[1, 4\]"),
+                        (dict(block_k=8), "block_k must be a power of two >= 16"),
+                        (dict(sliding_window=0), "sliding_window must be a positive int"),
+                        (dict(logit_softcap=-1.0), "logit_softcap must be positive")]:
+        with pytest.raises(ValueError, match=message):
+            call(q, view(), **kw)
