@@ -249,6 +249,54 @@ def test_quantized_nonfinite_contract():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
+def test_forward_derivative_comes_from_the_xla_loop():
+    q, k, v, q_pos = contiguous_case(jnp.float32, 4, 1)
+    view = contiguous_view(k, v, 2, jnp.float32)
+    dq = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+    options = pallas_gpu._INTERPRET_COMPILER_OPTIONS if INTERPRET else None
+    primal, tangent = jax.jit(lambda q, dq: jax.jvp(lambda q: run(q, view, q_pos, num_splits=3, block_k=16), (q,), (dq,)),
+                              compiler_options=options)(jnp.asarray(q), jnp.asarray(dq))
+    np.testing.assert_allclose(np.asarray(primal), contract_reference(q, k[2], v[2], q_pos, LENGTHS), rtol=2e-5,
+                               atol=2e-5)
+    eps = 1e-4
+    numeric = (contract_reference(q + eps * dq, k[2], v[2], q_pos, LENGTHS)
+               - contract_reference(q - eps * dq, k[2], v[2], q_pos, LENGTHS)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(tangent), numeric, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU every test above runs the Triton kernels")
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+def test_kernels_lower_through_triton(kind):
+    """Off a GPU, the Triton lowering still runs (exported for CUDA): every value in the
+    kernel is a tile Triton takes (power-of-two shapes, supported ops). PTX compilation and
+    the numbers need a device (benchmarks/bench_device.py)."""
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    batch, heads, slots, dim = 2, 2, 256, 64
+    q, pos, lengths, layer = sds((batch, 4 * heads, 2, dim), jnp.bfloat16), sds((batch, 2), jnp.int32), sds(
+        (batch,), jnp.int32), sds((), jnp.int32)
+    if kind == "bf16":
+        buffers = [sds((2, batch, heads, slots, dim), jnp.uint16)] * 2
+
+        def attend(q, pos, k, v, lengths, layer):
+            return pallas_attend_view(q, ContiguousView(k, v, layer, lengths, jnp.bfloat16), q_positions=pos,
+                                      sliding_window=100, logit_softcap=30.0)
+    else:
+        buffers = ([sds((2, batch, heads, slots, dim // 2), jnp.uint8)] * 2 + [sds((2, batch, heads, slots), jnp.uint16)]
+                   * 2 + [sds((batch, heads, 8, dim), jnp.bfloat16)] * 2 + [sds((batch, 8), jnp.int32)])
+
+        def attend(q, pos, *arrays):
+            *arrays, lengths, layer = arrays
+            view = QuantizedView(*arrays, layer, lengths, 4, jnp.bfloat16, jnp.bfloat16)
+            return pallas_attend_view(q, view, q_positions=pos)
+
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])(
+        q, pos, *buffers, lengths, layer)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
+
+
 # ---------------------------------------------------------------- dispatch and limits
 
 

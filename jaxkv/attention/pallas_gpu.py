@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxkv.attention.blockwise import _default_platform, blockwise_attend, quantized_blockwise_attend
 from jaxkv.caches.views import ContiguousView, QuantizedView
 
 __all__ = ["ENV_VAR", "interpret_default", "pallas_attend_view", "unsupported_reason", "use_pallas"]
@@ -88,12 +89,6 @@ _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 _NEG_INF = float("-inf")
 
 
-def _platform() -> str:
-    from jaxkv.attention.blockwise import _default_platform  # one definition of "where it runs"
-
-    return _default_platform()
-
-
 def use_pallas(queries: jax.Array, view: Any) -> bool:
     """Whether :func:`jaxkv.attention.attend_view` takes the Pallas kernels for this call.
 
@@ -103,14 +98,14 @@ def use_pallas(queries: jax.Array, view: Any) -> bool:
     mode = os.environ.get(ENV_VAR, "auto")
     if mode not in ("auto", "1", "0"):
         raise ValueError(f"{ENV_VAR} must be 'auto', '1' or '0', got {mode!r}.")
-    if mode == "0" or (mode == "auto" and _platform() != "gpu"):
+    if mode == "0" or (mode == "auto" and _default_platform() != "gpu"):
         return False
     return unsupported_reason(queries, view) is None
 
 
 def interpret_default() -> bool:
     """True off a GPU: there the kernels can only run in Pallas interpret mode."""
-    return _platform() != "gpu"
+    return _default_platform() != "gpu"
 
 
 def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
@@ -182,7 +177,8 @@ def pallas_attend_view(
             capacity below that; at least 16).
 
     Returns:
-        [B, Hq, T, D] in the dtype of ``queries``.
+        [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
+        from the blockwise XLA loop, which computes the same function.
 
     Raises:
         ValueError: inputs the kernels do not take (the reason of :func:`unsupported_reason`),
@@ -221,16 +217,46 @@ def pallas_attend_view(
     options = jnp.array([0 if sliding_window is None else sliding_window], jnp.int32)
     floats = jnp.array([head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0], jnp.float32)
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret))
-    q_positions = q_positions.astype(jnp.int32)
+    view = view._replace(layer=jnp.asarray(view.layer, jnp.int32), lengths=view.lengths.astype(jnp.int32))
+    names = [name for name in view._fields if name not in ("bits", "dtype", "scale_dtype")]
+
+    def rebuild(arrays):
+        return view._replace(**dict(zip(names, arrays)))
+
+    @jax.custom_jvp
+    def attend(queries, q_positions, *arrays):
+        return _kernel_path(queries, rebuild(arrays), q_positions, options, floats, **static)
+
+    @attend.defjvp
+    def _attend_jvp(primals, tangents):  # derivatives (rarely wanted in decode) from the XLA loop
+        def xla(queries, q_positions, *arrays):
+            return _xla_path(queries, rebuild(arrays), q_positions, sliding_window, logit_softcap, scale)
+
+        return jax.jvp(xla, primals, tangents)
+
+    return attend(queries, q_positions.astype(jnp.int32), *[getattr(view, name) for name in names])
+
+
+def _kernel_path(queries, view, q_positions, options, floats, **static):
     if isinstance(view, ContiguousView):
-        return _run(_contiguous, interpret)(queries, view.keys, view.values, jnp.asarray(view.layer, jnp.int32), view.lengths.astype(
-            jnp.int32), q_positions, options, floats, kv_dtype=jnp.dtype(view.dtype), **static)
-    return _run(_quantized, interpret)(
+        return _run(_contiguous, static["interpret"])(
+            queries, view.keys, view.values, view.layer, view.lengths, q_positions, options, floats,
+            kv_dtype=jnp.dtype(view.dtype), **static)
+    return _run(_quantized, static["interpret"])(
         queries, view.keys, view.values, view.key_scales, view.value_scales, view.residual_keys,
-        view.residual_values, view.residual_positions.astype(jnp.int32), jnp.asarray(view.layer, jnp.int32),
-        view.lengths.astype(jnp.int32), q_positions, options, floats, bits=view.bits, kv_dtype=jnp.dtype(view.dtype),
-        scale_dtype=jnp.dtype(view.scale_dtype), **static,
+        view.residual_values, view.residual_positions.astype(jnp.int32), view.layer, view.lengths, q_positions,
+        options, floats, bits=view.bits, kv_dtype=jnp.dtype(view.dtype), scale_dtype=jnp.dtype(view.scale_dtype),
+        **static,
     )
+
+
+def _xla_path(queries, view, q_positions, sliding_window, logit_softcap, scale):
+    """The same attention by the blockwise XLA loop (:mod:`jaxkv.attention.blockwise`)."""
+    options = dict(q_positions=q_positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    if isinstance(view, ContiguousView):
+        return blockwise_attend(queries, view.keys, view.values, layer_idx=view.layer, kv_lengths=view.lengths,
+                                implementation="xla", kv_dtype=view.dtype, **options)
+    return quantized_blockwise_attend(queries, view, **options)
 
 
 # ---------------------------------------------------------------------------- the kernel
