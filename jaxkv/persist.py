@@ -651,12 +651,14 @@ def load_sequence(
     *,
     model_fingerprint: str,
     token_ids: Any,
+    max_tokens: int | None = None,
     strict: bool = False,
 ) -> tuple[KVCache, int]:
     """Restores a row's prompt state saved by :func:`save_sequence`.
 
     The stored ids and ``token_ids`` (the prompt about to be processed) are compared token
-    by token; ``k`` is the length of their common prefix, capped at the cache's capacity. A
+    by token; ``k`` is the length of their common prefix, capped at the cache's capacity
+    and at ``max_tokens``. A
     longer stored sequence serves the prompt up to ``k``; a shorter one serves as a prefix
     (prefill the prompt from token ``k`` on). If they differ after ``k`` tokens, the first
     ``k`` are used (``strict=True`` raises instead). Row ``row`` then holds exactly those
@@ -670,6 +672,8 @@ def load_sequence(
       row: the row to write.
       model_fingerprint: the loading model's :func:`model_fingerprint`; must equal the file's.
       token_ids: int[P]: the prompt.
+      max_tokens: optional cap on ``k`` (``P - 1`` keeps the last prompt token to be fed
+        again, for the logits that pick the first new token).
       strict: raise if neither sequence is a prefix of the other.
 
     Returns:
@@ -709,8 +713,8 @@ def load_sequence(
             f"{path}: token {k} differs (the file has id {int(stored_ids[k])}, the prompt {int(ids[k])}); "
             f"only the first {k} tokens match."
         )
-    capacity = cache.get_max_length()
-    k = k if capacity is None else min(k, capacity)
+    for cap in (cache.get_max_length(), max_tokens):
+        k = k if cap is None else max(min(k, int(cap)), 0)
     one = jax.tree.unflatten(jax.tree.structure(target), [jnp.asarray(a) for a in leaves])
     _check_row_shapes(path, one, target)
     placed, emptied, lost = _place_row(cache, one, jnp.int32(row), jnp.int32(max(k, 1)))
@@ -752,8 +756,8 @@ class PromptCacheStream:
 
     If ``path`` holds a state for this model, dtype and a prefix of the prompt, the cache
     starts from it and only the rest of the prompt is prefilled (at least the last token,
-    whose logits give the first new token). Otherwise, or when the file covers less than
-    the whole prompt, the prompt's state is saved to ``path`` right after prefill. The
+    whose logits give the first new token). Otherwise, or when the file covers less of the
+    prompt, the prompt's state is saved to ``path`` right after prefill. The
     tokens equal a fresh ``stream``'s (same sampling, same key).
 
     Attributes:
@@ -786,13 +790,13 @@ class PromptCacheStream:
             model, 1, bucket_length(n) + max_new_tokens, stream_kwargs.get("cache_dtype"),
             stream_kwargs.get("cache_kind", "static"),
         )
-        self.restored, self._save = 0, True
+        self.restored = 0
         if os.path.exists(self.path):
-            cache, matched = load_sequence(self.path, cache, 0, model_fingerprint=self.fingerprint, token_ids=self._ids)
-            self.restored = min(matched, n - 1)  # the last prompt token is fed again for its logits
-            if self.restored < matched:
-                cache = cache.crop(self.restored) if self.restored else cache.reset()
-            self._save = matched < n
+            # The last prompt token is fed again for its logits: a file holding P - 1 of them is complete.
+            cache, self.restored = load_sequence(
+                self.path, cache, 0, model_fingerprint=self.fingerprint, token_ids=self._ids, max_tokens=n - 1
+            )
+        self._save = self.restored < n - 1
         self._inner = stream(model, ids[:, self.restored:], max_new_tokens, **stream_kwargs)
         # The stream's first iteration prefills into the cache it holds: this one.
         self._inner.cache = cache

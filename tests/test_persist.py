@@ -1,0 +1,393 @@
+"""jaxkv.persist: whole caches and per-sequence prompt state, saved and loaded.
+
+Caches are filled with random bits directly (no update programs to compile): a round trip
+must give back every leaf bit for bit, whatever the values mean.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxkv import (
+    CrossAttentionCache,
+    DynamicCache,
+    EncoderDecoderCache,
+    HybridCache,
+    QuantizedCache,
+    SlidingWindowCache,
+    StaticCache,
+)
+from jaxkv.persist import (
+    CacheFileError,
+    PromptCacheStream,
+    load_cache,
+    load_sequence,
+    model_fingerprint,
+    save_cache,
+    save_sequence,
+)
+
+SIZES = dict(batch_size=2, num_kv_heads=2, head_dim=8)
+
+
+def randomized(cache, seed=0):
+    """``cache`` with every leaf replaced by random bits of its dtype and shape."""
+    rng = np.random.default_rng(seed)
+
+    def fill(x):
+        raw = rng.integers(0, 256, size=x.size * x.dtype.itemsize, dtype=np.uint8)
+        if x.dtype == jnp.int32:  # lengths, positions: small non-negative values
+            return jnp.asarray(rng.integers(0, 4, size=x.shape), jnp.int32)
+        return jnp.asarray(raw.view(np.dtype(x.dtype)).reshape(x.shape))
+
+    return jax.tree.map(fill, cache)
+
+
+def with_rows(cache, lengths):
+    """``cache`` whose row ``b`` holds ``lengths[b]`` tokens in every layer, no flags."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return dataclasses.replace(
+        cache, lengths=jnp.broadcast_to(lengths, cache.lengths.shape), flags=jnp.zeros_like(cache.flags)
+    )
+
+
+def make(kind, *, batch_size=2, max_length=16, dtype=jnp.float32):
+    sizes = dict(SIZES, batch_size=batch_size)
+    if kind == "static":
+        return StaticCache.init(num_layers=2, max_length=max_length, dtype=dtype, **sizes)
+    if kind == "sliding":
+        return SlidingWindowCache.init(num_layers=2, window=4, extra_slots=2, dtype=dtype, **sizes)
+    if kind == "quantized":
+        return QuantizedCache.init(num_layers=2, max_length=max_length, bits=4, residual_length=2, dtype=dtype, **sizes)
+    if kind == "hybrid":
+        return HybridCache.init(
+            layer_types=["sliding_attention", "full_attention", "full_attention"], max_length=max_length,
+            window=4, extra_slots=2, dtype=dtype, **sizes,
+        )
+    if kind == "paged":
+        from jaxkv.caches.paged import PagedCache
+
+        return PagedCache.init(num_layers=2, max_length=max_length, page_size=4, dtype=dtype, **sizes)
+    raise ValueError(kind)
+
+
+def assert_same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def bits(x):
+    """The bytes of an array (random bits may hold NaNs, which never compare equal)."""
+    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+
+
+def every_kind():
+    cross = CrossAttentionCache.from_layers([(jnp.ones((2, 2, 3, 8)), jnp.ones((2, 2, 3, 8)))] * 2)
+    dynamic = DynamicCache([(jnp.ones((1, 2, 5, 8), jnp.bfloat16), jnp.zeros((1, 2, 5, 8), jnp.bfloat16))] * 2)
+    return {
+        "static-bf16": make("static", dtype=jnp.bfloat16),
+        "sliding": make("sliding"),
+        "quantized-int4": make("quantized"),
+        "hybrid": make("hybrid"),
+        "paged": make("paged", dtype=jnp.bfloat16),
+        "encdec": EncoderDecoderCache.create(make("static"), cross),
+        "dynamic-bf16": dynamic,
+    }
+
+
+# --------------------------------------------------------------------------- whole caches
+
+
+@pytest.mark.parametrize("kind", list(every_kind()))
+def test_round_trip_every_kind_is_exact(kind, tmp_path):
+    cache = randomized(every_kind()[kind], seed=len(kind))
+    path = tmp_path / "cache.safetensors"
+    save_cache(path, cache)
+    assert_same(load_cache(path), cache)  # rebuilt from the file's own description
+    assert_same(load_cache(path, like=cache), cache)
+
+
+def test_like_mismatches_name_the_file_and_the_difference(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_cache(path, make("static"))
+    with pytest.raises(CacheFileError, match=rf"{path}: the file holds a StaticCache, like= is a QuantizedCache"):
+        load_cache(path, like=make("quantized"))
+    with pytest.raises(CacheFileError, match=r"holds a float32 cache, like= is bfloat16"):
+        load_cache(path, like=make("static", dtype=jnp.bfloat16))
+    with pytest.raises(CacheFileError, match=r"keys is float32\[2, 2, 2, 16, 8\] in the file, like= has .*32, 8\]"):
+        load_cache(path, like=make("static", max_length=32))
+    hybrid = tmp_path / "h.safetensors"
+    save_cache(hybrid, make("hybrid"))
+    swapped = HybridCache.init(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                               max_length=16, window=4, extra_slots=2, **SIZES)
+    with pytest.raises(CacheFileError, match=r"static metadata differ: the file has \(\(1, 0, 0\), None\)"):
+        load_cache(hybrid, like=swapped)  # the same arrays, another layer layout
+
+
+def test_damaged_files_are_clear_errors(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_cache(path, randomized(make("static")))
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CacheFileError, match=rf"{cut}: truncated or corrupt"):
+        load_cache(cut)
+    flipped = bytearray(data)
+    flipped[-5] ^= 0xFF  # inside the last array's bytes
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(CacheFileError, match=rf"{bad}: array .* fails its checksum"):
+        load_cache(bad)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": np.zeros(3, np.float32)}, str(plain))
+    with pytest.raises(CacheFileError, match="not a jaxkv file"):
+        load_cache(plain)
+    with pytest.raises(CacheFileError, match="no such file"):
+        load_cache(tmp_path / "missing.safetensors")
+    with pytest.raises(CacheFileError, match="does not exist"):
+        save_cache(tmp_path / "no" / "dir.safetensors", make("static"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors", "c.safetensors", "cut.safetensors",
+                                                         "plain.safetensors"]  # no temporary files left
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def seq_fields(store):
+    return {f: axes for f, axes in type(store).LEAF_AXES.items()}
+
+
+def assert_row_restored(src, src_row, out, out_row, n):
+    """Row ``out_row`` of ``out`` holds what row ``src_row`` of ``src`` holds, first ``n`` slots."""
+    np.testing.assert_array_equal(np.asarray(out.lengths)[:, out_row], np.asarray(src.lengths)[:, src_row])
+    for a, b in zip(src.stores, out.stores):
+        for field, axes in seq_fields(a).items():
+            x, y = np.asarray(getattr(a, field)), np.asarray(getattr(b, field))
+            x, y = np.take(x, src_row, axis=1), np.take(y, out_row, axis=1)
+            if "seq" in axes:
+                seq = axes.index("seq") - 1
+                x, y = np.take(x, range(n), axis=seq), np.take(y, range(n), axis=seq)
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=field)
+
+
+@pytest.mark.parametrize("kind", ["static", "quantized", "hybrid", "sliding"])
+def test_sequence_onto_larger_and_smaller_caches(kind, tmp_path):
+    src = with_rows(randomized(make(kind), seed=3), [3, 6])
+    if kind in ("hybrid", "sliding"):  # a ring that has seen 6 tokens holds all of them (6 slots)
+        ring = next(i for i, s in enumerate(src.stores) if hasattr(s, "starts"))
+        stores = list(src.stores)
+        stores[ring] = dataclasses.replace(stores[ring], starts=jnp.zeros_like(stores[ring].starts))
+        src = dataclasses.replace(src, stores=tuple(stores))
+    path = tmp_path / "row.safetensors"
+    ids = [11, 12, 13, 14, 15, 16]
+    save_sequence(path, src, 1, model_fingerprint="m", token_ids=ids)
+    for capacity, row in ((32, 2), (8, 0)):
+        target = randomized(make(kind, batch_size=3, max_length=capacity), seed=4)
+        out, k = load_sequence(path, target, row, model_fingerprint="m", token_ids=ids + [1, 2])
+        assert k == 6
+        assert_row_restored(src, 1, out, row, 6)
+        others = [r for r in range(3) if r != row]
+        np.testing.assert_array_equal(np.asarray(out.lengths)[:, others], np.asarray(target.lengths)[:, others])
+
+
+def test_sequence_prefix_rules(tmp_path):
+    src = with_rows(randomized(make("static")), [6, 6])
+    path = tmp_path / "row.safetensors"
+    ids = [11, 12, 13, 14, 15, 16]
+    save_sequence(path, src, 0, model_fingerprint="m", token_ids=np.asarray(ids))
+    target = make("static", batch_size=1, max_length=16)
+
+    def load(prompt, **kw):
+        out, k = load_sequence(path, target, 0, model_fingerprint="m", token_ids=prompt, **kw)
+        assert int(out.lengths[0, 0]) == k
+        return k
+
+    assert load(ids[:4]) == 4  # a longer stored sequence serves the prompt's 4 tokens
+    assert load(ids + [7, 8, 9]) == 6  # a shorter one serves as a prefix
+    assert load([11, 12, 13, 99, 15]) == 3  # diverging after 3 tokens: those 3
+    assert load([99, 12]) == 0
+    with pytest.raises(CacheFileError, match=r"token 3 differs \(the file has id 14, the prompt 99\)"):
+        load([11, 12, 13, 99], strict=True)
+    small = make("static", batch_size=1, max_length=4)
+    out, k = load_sequence(path, small, 0, model_fingerprint="m", token_ids=ids)
+    assert k == 4 and out.lengths.tolist() == [[4], [4]]  # capped at the capacity
+    np.testing.assert_array_equal(bits(out.stores[0].keys[:, 0, :, :4]), bits(src.stores[0].keys[:, 0, :, :4]))
+
+
+def test_ring_rollback_past_evicted_tokens_restores_nothing(tmp_path):
+    ring = SlidingWindowCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, window=4)
+    store = dataclasses.replace(ring.stores[0], starts=jnp.full((1, 1), 6, jnp.int32))  # holds positions 6..9
+    full = dataclasses.replace(ring, stores=(store,), lengths=jnp.full((1, 1), 10, jnp.int32))
+    path = tmp_path / "ring.safetensors"
+    save_sequence(path, full, 0, model_fingerprint="m", token_ids=range(10))
+    out, k = load_sequence(path, ring, 0, model_fingerprint="m", token_ids=range(9))  # rollback of 1: fine
+    assert (k, int(out.lengths[0, 0])) == (9, 9)
+    out, k = load_sequence(path, ring, 0, model_fingerprint="m", token_ids=range(5))  # needs evicted 2..4
+    assert (k, int(out.lengths[0, 0])) == (0, 0)
+
+
+def test_paged_sequence_round_trip(tmp_path):
+    """A paged row (its pages in a shared pool) restored into another row of a larger pool."""
+    cache = randomized(make("paged", batch_size=2, max_length=16), seed=5)
+    store = cache.stores[0]  # page_size 4: row 0 holds 2 tokens in page 3, row 1 six in pages 5, 1
+    table = jnp.full(store.block_table.shape, -1, jnp.int32).at[0, 0].set(3).at[1, :2].set(jnp.array([5, 1]))
+    refcount = jnp.zeros_like(store.refcount).at[jnp.array([1, 3, 5])].set(1)
+    store = dataclasses.replace(store, block_table=table, refcount=refcount)
+    cache = dataclasses.replace(with_rows(cache, [2, 6]), stores=(store,))
+    path = tmp_path / "paged.safetensors"
+    save_sequence(path, cache, 1, model_fingerprint="m", token_ids=range(6))
+    target = make("paged", batch_size=3, max_length=16)
+    out, k = load_sequence(path, target, 2, model_fingerprint="m", token_ids=range(8))
+    assert k == 6 and out.lengths[:, 2].tolist() == [6, 6]
+    new = out.stores[0]
+    pages = np.asarray(new.block_table)[2, :2]
+    assert (pages >= 0).all() and np.asarray(new.refcount)[pages].tolist() == [1, 1]
+    for field in ("keys", "values"):
+        want = np.asarray(getattr(store, field))[:, [5, 1]]
+        np.testing.assert_array_equal(bits(np.asarray(getattr(new, field))[:, pages]), bits(want))
+
+
+def test_sequence_errors(tmp_path):
+    src = with_rows(randomized(make("static")), [6, 6])
+    path = tmp_path / "row.safetensors"
+    save_sequence(path, src, 0, model_fingerprint="model-a", token_ids=range(6))
+    target = make("static")
+    with pytest.raises(CacheFileError, match=rf"{path}: saved for another model"):
+        load_sequence(path, target, 0, model_fingerprint="model-b", token_ids=range(6))
+    with pytest.raises(CacheFileError, match=r"holds a float32 cache row, the cache is bfloat16"):
+        load_sequence(path, make("static", dtype=jnp.bfloat16), 0, model_fingerprint="model-a", token_ids=range(6))
+    with pytest.raises(CacheFileError, match=r"holds a StaticCache row, the cache is a QuantizedCache"):
+        load_sequence(path, make("quantized"), 0, model_fingerprint="model-a", token_ids=range(6))
+    other_heads = StaticCache.init(num_layers=2, batch_size=1, num_kv_heads=1, head_dim=8, max_length=16)
+    with pytest.raises(CacheFileError, match=r"stores\[0\].keys is \[2, 1, 2, 6, 8\] in the file"):
+        load_sequence(path, other_heads, 0, model_fingerprint="model-a", token_ids=range(6))
+    with pytest.raises(CacheFileError, match="holds one sequence"):
+        load_cache(path)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(CacheFileError, match=rf"{cut}: truncated or corrupt"):
+        load_sequence(cut, target, 0, model_fingerprint="model-a", token_ids=range(6))
+    with pytest.raises(ValueError, match="token_ids has 5 ids, row 0 holds 6 tokens"):
+        save_sequence(path, src, 0, model_fingerprint="m", token_ids=range(5))
+    with pytest.raises(ValueError, match=r"holds \[6, 2\] tokens per layer"):
+        save_sequence(path, dataclasses.replace(src, lengths=jnp.array([[6, 6], [2, 6]])), 0,
+                      model_fingerprint="m", token_ids=range(6))
+    with pytest.raises(ValueError, match="error flags 1 set"):
+        save_sequence(path, dataclasses.replace(src, flags=jnp.array([1, 0])), 0, model_fingerprint="m",
+                      token_ids=range(6))
+    with pytest.raises(TypeError, match="needs a preallocated cache"):
+        save_sequence(path, DynamicCache(), 0, model_fingerprint="m", token_ids=[])
+
+
+def test_model_fingerprint_follows_config_and_weights():
+    weights = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
+    base = model_fingerprint(weights, config={"layers": 2})
+    assert base == model_fingerprint({k: v.copy() for k, v in weights.items()}, config={"layers": 2})
+    changed = dict(weights, w=weights["w"].copy())
+    changed["w"][3] += 1e-6
+    assert model_fingerprint(changed, config={"layers": 2}) != base
+    assert model_fingerprint(weights, config={"layers": 3}) != base
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def test_cli_prompt_cache_gives_the_same_text_as_a_fresh_prompt(tmp_path, capsys):
+    """Greedy, embedded model: fresh prefill (saves), restored, and a longer prompt that
+    the saved one serves as a prefix, each against a run without the prompt cache."""
+    from jaxkv.cli import main
+
+    path = tmp_path / "p.safetensors"
+
+    def generate(prompt, *extra):
+        assert main(["generate", prompt, "--max-new-tokens", "8", "--temperature", "0", *extra]) == 0
+        captured = capsys.readouterr()
+        return captured.out.rsplit("[jaxkv] prompt", 1)[0], captured.err
+
+    def restored(err):  # "[jaxkv] prompt cache FILE: k of P prompt tokens restored"
+        found = re.search(r": (\d+) of (\d+) prompt tokens restored", err)
+        return int(found.group(1)), int(found.group(2))
+
+    prompt, longer = "def add(a, b):", "def add(a, b):\n    return a"
+    plain, _ = generate(prompt)
+    text, err = generate(prompt, "--prompt-cache", str(path))
+    assert text == plain and path.exists() and restored(err)[0] == 0
+    text, err = generate(prompt, "--prompt-cache", str(path))
+    k, n = restored(err)
+    assert text == plain and k == n - 1  # all but the last token, fed again for its logits
+    text, err = generate(longer, "--prompt-cache", str(path))
+    assert text == generate(longer)[0] and restored(err)[0] == n  # the saved prompt as a prefix
+
+    save_sequence(path, with_rows(make("static"), [2, 2]), 0, model_fingerprint="other", token_ids=[1, 2])
+    assert main(["generate", prompt, "--prompt-cache", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxkv: error:") and "saved for another model" in err[0]
+
+
+# --------------------------------------------------------------------------- sharded (8 devices)
+
+SHARDED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxkv import StaticCache
+    from jaxkv.persist import CacheFileError, load_cache, save_cache
+
+    devices = np.array(jax.devices())
+    def layout(devs, shape):
+        return NamedSharding(Mesh(devs.reshape(shape), ("data", "model")), P("data", "model"))
+    def cache(sharding):
+        return StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=4, head_dim=8, max_length=16,
+                                dtype=jnp.bfloat16, sharding=sharding)
+    on8 = cache(layout(devices, (2, 4)))
+    leaves, treedef = jax.tree.flatten(on8)
+    rng = np.random.default_rng(0)
+    values = [rng.integers(0, 2**15, x.shape).astype(x.dtype) for x in leaves]
+    on8 = jax.tree.unflatten(treedef, [jax.device_put(v, x.sharding) for v, x in zip(values, leaves)])
+    path = os.path.join(sys.argv[1], "ckpt")
+    save_cache(path, on8, format="orbax")
+
+    def check(restored, devices_used):
+        for leaf, want in zip(jax.tree.leaves(restored), values):
+            np.testing.assert_array_equal(np.asarray(leaf), want)
+            assert len(leaf.sharding.device_set) == devices_used, leaf.sharding
+    on4 = layout(devices[:4], (1, 4))
+    restored = load_cache(path, sharding=on4)
+    assert restored.sharding == on4 and restored.stores[0].keys.sharding.spec[:3] == (None, "data", "model")
+    check(restored, 4)
+    check(load_cache(path), 1)
+    check(load_cache(path, like=cache(layout(devices[4:], (2, 2)))), 4)
+    import shutil
+    shutil.rmtree(os.path.join(path, "state"))
+    try:
+        load_cache(path)
+    except CacheFileError as err:
+        assert str(err).startswith(path) and "not a readable jaxkv Orbax checkpoint" in str(err), err
+    else:
+        raise AssertionError("a damaged checkpoint loaded")
+    print("OK")
+    """
+)
+
+
+def test_orbax_sharded_restore_onto_other_meshes(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(tmp_path)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
