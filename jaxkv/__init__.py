@@ -30,6 +30,7 @@ from jaxkv.caches import (
     quantize,
 )
 from jaxkv.models.layer_types import layer_types_from_config
+from jaxkv.persist import CacheFileError, load_cache, load_sequence, model_fingerprint, save_cache, save_sequence
 from jaxkv.sampling import SamplingConfig
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "OUT_OF_PAGES",
     "OVERFLOW",
     "CacheError",
+    "CacheFileError",
     "CrossAttentionCache",
     "DynamicCache",
     "EncoderDecoderCache",
@@ -53,7 +55,12 @@ __all__ = [
     "dequantize",
     "generate",
     "layer_types_from_config",
+    "load_cache",
+    "load_sequence",
+    "model_fingerprint",
     "quantize",
+    "save_cache",
+    "save_sequence",
     "stream",
     "update_and_attend",
 ]
