@@ -1,0 +1,336 @@
+"""Generation on a device mesh, on one process or several (JAX's own distributed runtime).
+
+* Tensor parallelism: :func:`shard_params` places each parameter by the first rule whose
+  name suffix matches its path (:data:`LLAMA_RULES`: q/k/v and gate/up projections split
+  by output columns, o/down projections by input rows, on the ``"model"`` mesh axis; the
+  rest replicated). A rule names the *trailing* axes only, so it fits a per-layer
+  ``[in, out]`` kernel and a scan-stacked ``[L, in, out]`` one alike.
+* The cache: rows on the ``"data"`` axis, kv heads on ``"model"``
+  (``model.init_cache(..., sharding=NamedSharding(mesh, P("data", "model")))``).
+* Data parallelism: the batch is split over ``"data"`` (each replica decodes its rows with
+  its own copy of the weights' shards).
+
+:func:`generate` is :func:`jaxkv.generate` on a mesh: the same tokens as one device (up
+to the order of float sums, which tensor parallelism changes; greedy tokens agree unless
+two logits are within rounding of each other).
+
+Several processes (hosts) run the same program: each calls ``jax.distributed.initialize``,
+sees the global device list, builds the same mesh over it and calls :func:`generate` with
+the same inputs; XLA's collectives (gloo on CPU) carry the cross-process traffic. On one
+machine::
+
+    python -m jaxkv.distributed --num-processes 2 --local-devices 4 --model-parallel 2
+
+starts 2 processes of 4 virtual CPU devices each (8 devices: data 4 x model 2), runs the
+demo prompts on the tiny model and prints the tokens as JSON (``--single`` runs the same
+on one device, for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxkv
+from jaxkv.generation import GenerateOutput
+
+__all__ = [
+    "LLAMA_RULES",
+    "ShardedModel",
+    "cache_sharding",
+    "generate",
+    "launch",
+    "make_mesh",
+    "param_shardings",
+    "shard_params",
+    "sharded_model",
+]
+
+#: ``(path suffix, spec of the trailing axes)``; the first match wins, no match: replicated.
+#: Kernels are ``[in, out]`` (an extra leading layer axis is allowed).
+LLAMA_RULES: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] = (
+    (("q_proj", "kernel"), (None, "model")),
+    (("k_proj", "kernel"), (None, "model")),
+    (("v_proj", "kernel"), (None, "model")),
+    (("q_proj", "bias"), ("model",)),
+    (("k_proj", "bias"), ("model",)),
+    (("v_proj", "bias"), ("model",)),
+    (("o_proj", "kernel"), ("model", None)),
+    (("gate_proj", "kernel"), (None, "model")),
+    (("up_proj", "kernel"), (None, "model")),
+    (("gate_proj", "bias"), ("model",)),
+    (("up_proj", "bias"), ("model",)),
+    (("down_proj", "kernel"), ("model", None)),
+)
+
+DEMO_PROMPTS = ((5, 6, 7, 8, 9), (10, 11, 12), (1, 2, 3, 4, 5, 6), (7, 7, 7, 7))
+
+
+def make_mesh(data: int, model: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over the first ``data * model`` devices.
+
+    With several processes, ``jax.devices()`` lists process 0's devices first, so the
+    model axis stays within a process and the data axis spans processes.
+
+    Raises:
+        ValueError: fewer devices than ``data * model``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise ValueError(
+            f"make_mesh: data={data} x model={model} needs {data * model} devices, {len(devices)} available"
+        )
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    names = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
+        names.append(str(name))
+    return tuple(names[:-1]) if names and names[-1] == "value" else tuple(names)
+
+
+def _spec_for(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules) -> P:
+    for suffix, trailing in rules:
+        if names[-len(suffix):] != tuple(suffix) or len(trailing) > len(shape):
+            continue
+        spec = (None,) * (len(shape) - len(trailing)) + tuple(trailing)
+        # An axis the mesh does not divide stays whole (correct, just not split).
+        spec = tuple(a if a is None or shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+        return P(*spec)
+    return P()
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=LLAMA_RULES) -> Any:
+    """A tree like ``state`` of ``NamedSharding``: each leaf by the first matching rule."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, _spec_for(_path_names(path), x.shape, mesh, rules)), state
+    )
+
+
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    # Every process holds the same full value; each fills only its own devices' shards.
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_params(model: nnx.Module, mesh: Mesh, rules=LLAMA_RULES) -> nnx.Module:
+    """Places ``model``'s parameters on ``mesh`` by ``rules`` (in place); returns it.
+
+    Every process must hold the same parameter values (same checkpoint or seed).
+    """
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(_place, state, param_shardings(state, mesh, rules)))
+    return model
+
+
+def cache_sharding(mesh: Mesh, num_kv_heads: int, batch_size: int) -> NamedSharding:
+    """One layer's ``[B, H, S, D]`` split: rows on ``"data"``, kv heads on ``"model"``.
+
+    Raises:
+        ValueError: the mesh axes do not divide the batch or the kv heads.
+    """
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    if batch_size % data:
+        raise ValueError(f"batch size {batch_size} is not a multiple of the data axis ({data}); pad the batch")
+    if num_kv_heads % model:
+        raise ValueError(
+            f"{num_kv_heads} kv heads do not split over a model axis of {model}; use a model axis dividing them"
+        )
+    return NamedSharding(mesh, P("data", "model"))
+
+
+class ShardedModel(nnx.Module):
+    """A decoder whose caches are sharded on ``mesh`` and whose batch is split on ``"data"``."""
+
+    def __init__(self, model: nnx.Module, mesh: Mesh):
+        self.model = model
+        self.mesh = mesh
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def cache_spec(self):
+        return self.model.cache_spec
+
+    def init_cache(self, batch_size: int, max_length: int, **kwargs: Any) -> Any:
+        sharding = cache_sharding(self.mesh, self.model.cache_spec.num_kv_heads, batch_size)
+        return self.model.init_cache(batch_size, max_length, sharding=sharding, **kwargs)
+
+    def __call__(self, tokens: jax.Array, cache: Any = None, num_new: Any = None, **kwargs: Any):  # tokens [B, T]
+        tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(self.mesh, P("data", None)))
+        return self.model(tokens, cache, num_new, **kwargs)
+
+
+def sharded_model(model: nnx.Module, mesh: Mesh, rules=LLAMA_RULES) -> ShardedModel:
+    """``model`` with its parameters placed by ``rules``, wrapped so that
+    :func:`jaxkv.generate` / :func:`jaxkv.stream` shard the cache and the batch on ``mesh``."""
+    return ShardedModel(shard_params(model, mesh, rules), mesh)
+
+
+def _gathered(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def generate(
+    model: nnx.Module, input_ids: Any, max_new_tokens: int, *, mesh: Mesh, prompt_lengths: Any = None,
+    rules=LLAMA_RULES, **kwargs: Any,
+) -> GenerateOutput:
+    """:func:`jaxkv.generate` on ``mesh``: tensor-parallel weights, sharded cache and batch.
+
+    Every process calls it with the same arguments. The model's parameters are placed on
+    the mesh (in place). Returns NumPy tokens and lengths, gathered from every process.
+
+    Args:
+        model: a decoder such as :class:`jaxkv.models.Llama`.
+        input_ids: [B, P] prompt ids (host values, the same in every process); B must be a
+            multiple of the mesh's data axis.
+        max_new_tokens: N.
+        mesh: a ``("data", "model")`` mesh (:func:`make_mesh`).
+        prompt_lengths: [B] real prompt lengths, default P.
+        rules: parameter placement rules, default :data:`LLAMA_RULES`.
+        **kwargs: the other arguments of :func:`jaxkv.generate` (greedy decoding is what the
+            tests cover across processes).
+    """
+    input_ids = np.asarray(input_ids)
+    if prompt_lengths is None:
+        prompt_lengths = np.full((input_ids.shape[0],), input_ids.shape[1], np.int32)
+    replicated = NamedSharding(mesh, P())
+    out = jaxkv.generate(
+        sharded_model(model, mesh, rules), _place(input_ids.astype(np.int32), replicated), max_new_tokens,
+        prompt_lengths=_place(np.asarray(prompt_lengths, np.int32), replicated), **kwargs,
+    )
+    return GenerateOutput(tokens=_gathered(out.tokens), lengths=_gathered(out.lengths))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def demo_batch() -> tuple[np.ndarray, np.ndarray]:
+    """The demo prompts, right-padded with 0: ``(ids [4, 6], lengths [4])``."""
+    width = max(len(p) for p in DEMO_PROMPTS)
+    ids = np.array([list(p) + [0] * (width - len(p)) for p in DEMO_PROMPTS], np.int32)
+    return ids, np.array([len(p) for p in DEMO_PROMPTS], np.int32)
+
+
+def _demo_model():
+    from jaxkv.models import Llama, LlamaConfig
+
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def _worker(args: argparse.Namespace) -> None:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.local_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.num_processes > 1:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+        )
+    ids, lengths = demo_batch()
+    model = _demo_model()
+    result = {"processes": jax.process_count(), "devices": 1}
+    if args.single:
+        out = jaxkv.generate(model, ids, args.max_new_tokens, prompt_lengths=lengths)
+        tokens = np.asarray(out.tokens)
+    else:
+        count = jax.device_count()
+        mesh = make_mesh(count // args.model_parallel, args.model_parallel)
+        tokens = generate(model, ids, args.max_new_tokens, mesh=mesh, prompt_lengths=lengths).tokens
+        # What the program ran on: how the weights and the cache were split.
+        state = nnx.state(model)
+        cache = ShardedModel(model, mesh).init_cache(ids.shape[0], 16)
+        result.update(
+            devices=count,
+            mesh=dict(mesh.shape),
+            param_specs={"/".join(_path_names(path)): list(x.sharding.spec)
+                         for path, x in jax.tree_util.tree_flatten_with_path(state)[0]},
+            cache_spec=list(cache.stores[0].keys.sharding.spec),
+            cache_shard=list(cache.stores[0].keys.addressable_shards[0].data.shape),
+        )
+    if jax.process_index() == 0:
+        print(json.dumps(result | {"tokens": tokens.tolist()}), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes: int, local_devices: int, model_parallel: int, max_new_tokens: int, *,
+           timeout: float = 300.0) -> dict:
+    """Starts ``num_processes`` worker processes on this machine and returns process 0's result.
+
+    Raises:
+        RuntimeError: a worker failed or timed out (its output is in the message).
+    """
+    coordinator = f"localhost:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the device count comes from --local-devices
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxkv.distributed", "--worker", "--process-id", str(i),
+             "--num-processes", str(num_processes), "--coordinator", coordinator,
+             "--local-devices", str(local_devices), "--model-parallel", str(model_parallel),
+             "--max-new-tokens", str(max_new_tokens)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for i in range(num_processes)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"jaxkv.distributed: workers did not finish within {timeout} s") from None
+    failed = [(i, p.returncode, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
+    if failed:
+        i, code, err = failed[0]
+        raise RuntimeError(f"jaxkv.distributed: process {i} exited with {code}:\n{err[-4000:]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jaxkv.distributed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--local-devices", type=int, default=4, help="virtual CPU devices per process")
+    parser.add_argument("--model-parallel", type=int, default=2, help="size of the model (tensor-parallel) axis")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--single", action="store_true", help="one process, one device: the reference tokens")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker or args.single:
+        if args.single:
+            args.num_processes, args.local_devices = 1, 1
+        _worker(args)
+        return
+    print(json.dumps(launch(args.num_processes, args.local_devices, args.model_parallel, args.max_new_tokens)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Generation on a mesh: tensor-parallel weights, cache sharded by rows and kv heads,
+data-parallel rows, across two processes (jax.distributed, gloo collectives on CPU), with
+the tokens of one device."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import distributed
+from jaxkv.distributed import LLAMA_RULES, _spec_for
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+MESH = AbstractMesh((4, 2), ("data", "model"))
+
+
+@pytest.mark.parametrize("layers", [(), (3,)], ids=["per-layer", "stacked"])
+def test_rules_shard_the_trailing_axes_with_or_without_a_layer_axis(layers):
+    def spec(*path, shape):
+        return _spec_for(path, layers + shape, MESH, LLAMA_RULES)
+
+    lead = (None,) * len(layers)
+    assert spec("layers", "self_attn", "q_proj", "kernel", shape=(64, 64)) == P(*lead, None, "model")
+    assert spec("layers", "self_attn", "k_proj", "kernel", shape=(64, 32)) == P(*lead, None, "model")
+    assert spec("layers", "self_attn", "k_proj", "bias", shape=(32,)) == P(*lead, "model")
+    assert spec("layers", "self_attn", "o_proj", "kernel", shape=(64, 64)) == P(*lead, "model", None)
+    assert spec("layers", "mlp", "up_proj", "kernel", shape=(64, 96)) == P(*lead, None, "model")
+    assert spec("layers", "mlp", "down_proj", "kernel", shape=(96, 64)) == P(*lead, "model", None)
+    assert spec("layers", "input_layernorm", "weight", shape=(64,)) == P()
+    assert spec("layers", "mlp", "gate_proj", "kernel", shape=(64, 95)) == P(*lead, None, None)  # 95 % 2: whole
+    assert spec("embed_tokens", "embedding", shape=(128, 64)) == P()
+
+
+def test_mesh_and_cache_sharding_errors():
+    assert distributed.cache_sharding(distributed.make_mesh(1, 1), 2, 3).spec == P("data", "model")
+    with pytest.raises(ValueError, match="batch size 3 is not a multiple of the data axis"):
+        distributed.cache_sharding(MESH, 2, 3)
+    with pytest.raises(ValueError, match="3 kv heads do not split over a model axis of 2"):
+        distributed.cache_sharding(MESH, 3, 4)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        distributed.make_mesh(8, 2)
+
+
+def test_two_processes_of_four_devices_give_the_tokens_of_one_device():
+    """One scenario, two processes (one subprocess each): 8 virtual CPU devices as a
+    data 4 x model 2 mesh spanning both processes."""
+    ids, lengths = distributed.demo_batch()
+    want = jaxkv.generate(distributed._demo_model(), ids, 8, prompt_lengths=lengths).tokens
+    got = distributed.launch(num_processes=2, local_devices=4, model_parallel=2, max_new_tokens=8)
+    assert (got["processes"], got["devices"], got["mesh"]) == (2, 8, {"data": 4, "model": 2})
+    np.testing.assert_array_equal(np.array(got["tokens"]), np.asarray(want))
+    specs = got["param_specs"]
+    assert specs["layers/self_attn/q_proj/kernel"][-2:] == [None, "model"]
+    assert specs["layers/self_attn/o_proj/kernel"][-2:] == ["model", None]
+    assert specs["layers/mlp/down_proj/kernel"][-2:] == ["model", None]
+    assert specs["embed_tokens/embedding"] == []
+    # [L, B, H, S, D]: each device holds 1 of 4 rows and 1 of 2 kv heads.
+    assert got["cache_spec"] == [None, "data", "model", None, None]
+    assert got["cache_shard"] == [2, 1, 1, 16, 16]
