@@ -40,6 +40,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_speculative.py
+	$(PY) benchmarks/bench_persist.py
 
 clean:
 	rm -rf $(VENV)

@@ -567,15 +567,26 @@ def _select_row(cache: KVCache, row: jax.Array) -> KVCache:
 
 
 @jax.jit
-def _place_row(cache: KVCache, one: KVCache, row: jax.Array, keep: jax.Array) -> tuple[KVCache, KVCache, jax.Array]:
-    """``(cache with row ``row`` replaced by ``one`` cut to ``keep`` tokens, cache with the
-    row emptied, whether the cut lost needed tokens)``: one compiled program per shape."""
-    emptied = cache.reset(jnp.arange(cache.batch_size) == row)
+def _cut_row(one: KVCache, keep: jax.Array) -> tuple[KVCache, jax.Array]:
+    """``one`` rolled back to ``keep`` tokens, and whether that lost needed tokens (a ring
+    rolled back past what it still holds)."""
     one = dataclasses.replace(one, flags=jnp.zeros_like(one.flags)).crop(keep)
-    lost = (one.flags[0] & INVALID) != 0  # a ring rolled back past what it still holds
+    return one, (one.flags[0] & INVALID) != 0
+
+
+@jax.jit
+def _empty_row(cache: KVCache, row: jax.Array) -> KVCache:
+    return cache.reset(jnp.arange(cache.batch_size) == row)
+
+
+@jax.jit
+def _put_row(cache: KVCache, one: KVCache, row: jax.Array) -> KVCache:
+    """``cache`` with row ``row`` emptied and replaced by ``one`` (one program: the target
+    is copied once, then written in place)."""
     sizes = iter([_seq_size(s) for s in cache.stores])
     one = _resize_seq(one, lambda store: next(sizes))  # the target's capacity: cut or zero-padded
-    return emptied.put_rows(row[None], dataclasses.replace(one, sharding=cache.sharding)), emptied, lost
+    emptied = cache.reset(jnp.arange(cache.batch_size) == row)
+    return emptied.put_rows(row[None], dataclasses.replace(one, sharding=cache.sharding))
 
 
 def _check_kv_cache(cache: Any, who: str) -> KVCache:
@@ -717,10 +728,12 @@ def load_sequence(
         k = k if cap is None else max(min(k, int(cap)), 0)
     one = jax.tree.unflatten(jax.tree.structure(target), [jnp.asarray(a) for a in leaves])
     _check_row_shapes(path, one, target)
-    placed, emptied, lost = _place_row(cache, one, jnp.int32(row), jnp.int32(max(k, 1)))
-    if k == 0 or bool(lost):
-        return emptied, 0
-    return placed, k
+    if k:
+        one, lost = _cut_row(one, jnp.int32(k))
+        k = 0 if bool(lost) else k
+    if k == 0:
+        return _empty_row(cache, jnp.int32(row)), 0
+    return _put_row(cache, one, jnp.int32(row)), k
 
 
 def _seq_size(store: Any) -> int | None:
