@@ -22,8 +22,9 @@ Everything is arrays, so allocation happens inside ``jit``:
   fresh one: copy-on-write. Only the page being written is copied, once; full pages of a
   shared prompt stay shared for ever.
 * Running out of pages is never silent: eagerly the write raises ``ValueError`` naming
-  the row and the pages it needs; under ``jit`` the rows that do not fit (taken in row
-  order) store none of their new tokens, keep their length and get ``OUT_OF_PAGES``.
+  the row and the pages it needs; under ``jit`` the rows that do not fit (served in row
+  order, first come first served) store none of their new tokens, keep their length and
+  get ``OUT_OF_PAGES``.
   Rows that fit are written normally. Tokens past ``max_length`` follow the container's
   overflow policy (dropped, ``OVERFLOW``).
 
@@ -62,6 +63,17 @@ __all__ = ["NO_PAGE", "PagedCache", "PagedStorage"]
 NO_PAGE = -1
 
 _POOL_FIELDS = ("keys", "values", "key_scales", "value_scales")
+
+
+def _admit(need: Array, num_free: Array) -> Array:
+    """bool[B]: rows that get their ``need[b]`` pages, first come first served (a row that
+    does not fit takes nothing, and later rows may still fit); need 0 always fits."""
+
+    def step(left, n):
+        ok = n <= left
+        return jnp.where(ok, left - n, left), ok
+
+    return jax.lax.scan(step, num_free, need)[1]
 
 
 def _page_counts(table: Array, num_pages: int) -> Array:
@@ -168,18 +180,34 @@ class PagedStorage:
         touched = in_range & (blk * ps < end[:, None])
         cur = jnp.where(in_range, jnp.take_along_axis(table, jnp.minimum(blk, max_pages - 1), axis=1), NO_PAGE)
         held = cur >= 0
-        shared = touched & held & (refcount[jnp.maximum(cur, 0)] > 1)
+        holders = refcount[jnp.maximum(cur, 0)]
+        shared = touched & held & (holders > 1)
         need = touched & (~held | shared)  # a fresh page: none yet, or copy-on-write
-        per_row = jnp.sum(need, axis=1, dtype=jnp.int32)
         free = refcount == 0
-        fits = jnp.cumsum(per_row) <= jnp.sum(free, dtype=jnp.int32)  # rows in order, all or nothing
-        if not _is_traced(per_row, fits) and not bool(np.all(np.asarray(fits) | (np.asarray(per_row) == 0))):
+        num_free = jnp.sum(free, dtype=jnp.int32)
+        # When every holder of a shared page writes into it in this call (forked rows all
+        # taking their next token), the first of them keeps the page: n holders, n - 1
+        # copies. Only when every row fits: a holder left without its copy must not see
+        # the keeper's writes.
+        ids = jnp.where(shared, cur, num_pages).reshape(-1)
+        writers = jnp.zeros((num_pages,), jnp.int32).at[ids].add(1, mode="drop")
+        first = jnp.full((num_pages,), batch, jnp.int32).at[ids].min(
+            jnp.broadcast_to(rows, blk.shape).reshape(-1), mode="drop"
+        )
+        safe_cur = jnp.maximum(cur, 0)
+        all_fit = jnp.sum(need, dtype=jnp.int32) <= num_free
+        keeps = shared & (writers[safe_cur] == holders) & (first[safe_cur] == rows) & all_fit
+        shared = shared & ~keeps
+        need = need & ~keeps
+        per_row = jnp.sum(need, axis=1, dtype=jnp.int32)
+        fits = _admit(per_row, num_free)
+        if not _is_traced(per_row, fits) and not bool(np.all(np.asarray(fits))):
             host_need, host_fits = np.asarray(per_row), np.asarray(fits)
-            row = int(np.argmax(~host_fits & (host_need > 0)))
+            row = int(np.argmax(~host_fits))
             raise ValueError(
                 f"PagedCache.update: out of pages: row {row} needs {int(host_need[row])} new page(s) of {ps} "
-                f"tokens, but the pool has {int(np.sum(np.asarray(free)))} free of {num_pages} (rows before it "
-                f"take {int(np.sum(host_need[:row]))}). Free pages (reset or batch_select_indices finished rows, "
+                f"tokens, but the pool has {int(num_free)} free of {num_pages} (rows before it "
+                f"take {int(np.sum(host_need[:row][host_fits[:row]]))}). Free pages (reset or batch_select_indices finished rows, "
                 "crop, release prefix pins) or allocate a larger num_pages."
             )
         need = need & fits[:, None]
@@ -273,7 +301,7 @@ class PagedStorage:
         theirs = jnp.where(later[:, None], NO_PAGE, other.block_table)  # [N, M]
         need = theirs >= 0
         free = base.refcount == 0
-        fits = jnp.cumsum(jnp.sum(need, axis=1, dtype=jnp.int32)) <= jnp.sum(free, dtype=jnp.int32)
+        fits = _admit(jnp.sum(need, axis=1, dtype=jnp.int32), jnp.sum(free, dtype=jnp.int32))
         if not _is_traced(fits) and not bool(np.all(np.asarray(fits))):
             row = int(np.argmax(~np.asarray(fits)))
             raise ValueError(

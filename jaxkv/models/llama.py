@@ -35,11 +35,11 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_token_ids
-from jaxkv.caches import DynamicCache, StaticCache, check_cache
+from jaxkv.caches import DynamicCache, KVCache, StaticCache, check_cache
 from jaxkv.models.layer_types import FULL, SLIDING, layer_types_from_config
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
-__all__ = ["ARCHITECTURES", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "rope_frequencies"]
+__all__ = ["ARCHITECTURES", "Block", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "layer_plan", "rope_frequencies"]
 
 #: HF ``architectures`` entries this file implements.
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -285,9 +285,14 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, *, param_dtype: Any, rngs: nnx.Rngs):
+    A block holds weights only; which cache layer it writes and its attention window come
+    with each call, so one block structure serves every layer. :class:`Llama` stacks the
+    weights of all its layers along a leading axis and runs them with ``lax.scan``.
+    """
+
+    def __init__(self, config: LlamaConfig, *, param_dtype: Any, rngs: nnx.Rngs):
         def norm(dim):
             return RMSNorm(dim, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -297,27 +302,58 @@ class Block(nnx.Module):
             config.num_heads,
             config.num_kv_heads,
             config.head_dim,
-            layer_idx=layer_idx,
             qkv_bias=config.qkv_bias,
             out_bias=config.out_bias,
             q_norm=norm(config.head_dim) if config.qk_norm else None,
             k_norm=norm(config.head_dim) if config.qk_norm else None,
-            sliding_window=config.sliding_window if config.sliding_layers[layer_idx] else None,
             param_dtype=param_dtype,
             rngs=rngs,
         )
         self.post_attention_layernorm = norm(config.hidden_size)
         self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cache, *, positions, num_new, rope):
+    def __call__(self, x, cache, *, layer_idx, sliding_window, positions, num_new, rope):
         with jax.named_scope("attention"):
             h, cache = self.self_attn(
-                self.input_layernorm(x), cache, positions=positions, num_new=num_new, rope=rope
+                self.input_layernorm(x), cache, positions=positions, num_new=num_new, rope=rope,
+                layer_idx=layer_idx, sliding_window=sliding_window,
             )
         x = x + h
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
+
+
+def layer_plan(windows: tuple[int | None, ...]) -> tuple[tuple[int, int, int], ...]:
+    """How :class:`Llama` runs its layers: ``(start, unit, repeats)`` segments.
+
+    Layers ``start .. start + unit * repeats`` repeat a unit of ``unit`` layers whose
+    windows (``windows[i]``: layer i's sliding window, None for full attention) match;
+    each segment is one ``lax.scan`` of ``repeats`` steps over an unrolled unit, so what is
+    compiled grows with the unit, not with the depth. A uniform model is one segment
+    ``(0, 1, L)``; Gemma-like ``5 sliding + 1 full`` patterns scan the 6-layer unit; Qwen2's
+    ``max_window_layers`` (full layers, then sliding ones) gives one segment per run.
+    Each segment covers the most layers it can (the shorter unit on a tie); a layer no
+    unit repeats over is a segment of its own with ``repeats == 1``.
+    """
+    plan, start, num_layers = [], 0, len(windows)
+    while start < num_layers:
+        rest = windows[start:]
+        best_unit, best_repeats = 1, 1
+        for unit in range(1, len(rest) // 2 + 1):
+            repeats = 1
+            while (repeats + 1) * unit <= len(rest) and rest[repeats * unit : (repeats + 1) * unit] == rest[:unit]:
+                repeats += 1
+            if repeats >= 2 and unit * repeats > best_unit * best_repeats:
+                best_unit, best_repeats = unit, repeats
+        plan.append((start, best_unit, best_repeats))
+        start += best_unit * best_repeats
+    return tuple(plan)
+
+
+def _scannable(cache: Any) -> bool:
+    """Whether the cache takes a traced layer index (one storage; see KVCache)."""
+    return cache is None or (isinstance(cache, KVCache) and len(cache.stores) == 1)
 
 
 # --------------------------------------------------------------------------- model
@@ -326,21 +362,39 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """Llama-family causal LM over a jaxkv cache.
 
-    Parameter names mirror the HF checkpoint (``embed_tokens``, ``layers[i].self_attn.q_proj``
-    ...), with ``nnx.Linear`` kernels stored [in, out] (HF stores [out, in]).
+    Parameter names mirror the HF checkpoint (``embed_tokens``, ``layers.self_attn.q_proj``
+    ...), with ``nnx.Linear`` kernels stored [in, out] (HF stores [out, in]). The decoder
+    layers are one :class:`Block` whose parameters are stacked: HF's
+    ``model.layers.{i}.self_attn.q_proj.weight`` is ``layers.self_attn.q_proj.kernel[i]``
+    (transposed), shape [L, E, Hq * D].
+
+    The layers run as ``lax.scan`` over the stacked weights, carrying the hidden states and
+    the cache (never scanning the cache as ``xs``/``ys``, which would copy it), so the
+    compiled program holds one layer body however deep the model is (see
+    :func:`layer_plan` for sliding-window patterns). A cache whose layers live in storages
+    of different shapes (``HybridCache``) or a ``DynamicCache`` needs a Python layer index:
+    for those the layers are unrolled, and compile time grows with depth.
 
     Args:
         config: the :class:`LlamaConfig`.
         param_dtype: dtype of every parameter (and hence of the computation).
         rngs: initialisation randomness.
+        scan_layers: False unrolls the layers for every cache (the reference the scan is
+            tested against; compile time then grows with depth).
     """
 
-    def __init__(self, config: LlamaConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config: LlamaConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs, scan_layers: bool = True
+    ):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [Block(config, i, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
-        )
+        # Built one by one (the same random weights as a list of blocks from the same seed),
+        # then stacked: every parameter of ``layers`` has a leading [L] axis.
+        blocks = [Block(config, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+        graphdef = nnx.graphdef(blocks[0])
+        self.layers = nnx.merge(graphdef, jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(b) for b in blocks)))
+        del blocks
+        self.scan_layers = scan_layers
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = (
             None
@@ -367,6 +421,8 @@ class Llama(nnx.Module):
         residual_length: int = 0,
         extra_slots: int = 0,
         sharding: Any = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
     ) -> Any:
         """An empty cache for this model; keys/values in the parameter dtype by default.
 
@@ -377,12 +433,17 @@ class Llama(nnx.Module):
             kind: ``"static"`` (a :class:`StaticCache`; sliding layers are masked),
                 ``"hybrid"`` (full layers in a StaticCache, the config's sliding layers in
                 ring buffers of ``sliding_window`` slots: memory O(window) for them), or
-                ``"quantized"`` (int8 / int4 keys and values, see ``bits``).
-            bits: 8 or 4, for ``kind="quantized"``.
+                ``"quantized"`` (int8 / int4 keys and values, see ``bits``), ``"paged"``
+                (a :class:`~jaxkv.caches.PagedCache`: pages of ``page_size`` tokens from a
+                pool of ``num_pages`` shared by the rows, forks share pages) or
+                ``"paged-quantized"`` (the same with int8 / int4 pages, see ``bits``).
+            bits: 8 or 4, for ``kind="quantized"`` and ``"paged-quantized"``.
             residual_length: recent tokens kept in full precision, for ``kind="quantized"``.
             extra_slots: ring slots beyond the window, for ``kind="hybrid"``: how many
                 tokens a ``crop`` may roll back once a window is full (speculative decoding).
             sharding: optional ``NamedSharding`` of one layer's ``[B, H, S, D]`` (every kind).
+            page_size, num_pages: for the paged kinds (default pool: every row at
+                ``max_length``).
 
         Raises:
             ValueError: an unknown kind, or ``"hybrid"`` for a config without sliding layers.
@@ -413,7 +474,17 @@ class Llama(nnx.Module):
                 head_dim=spec.head_dim, max_length=max_length, bits=bits, residual_length=residual_length,
                 dtype=dtype, sharding=sharding,
             )
-        raise ValueError(f"kind must be 'static', 'hybrid' or 'quantized', got {kind!r}")
+        if kind in ("paged", "paged-quantized"):
+            from jaxkv.caches import PagedCache
+
+            return PagedCache.init(
+                num_layers=spec.num_layers, batch_size=batch_size, num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, max_length=max_length, page_size=page_size, num_pages=num_pages,
+                bits=bits if kind == "paged-quantized" else None, dtype=dtype, sharding=sharding,
+            )
+        raise ValueError(
+            f"kind must be 'static', 'hybrid', 'quantized', 'paged' or 'paged-quantized', got {kind!r}"
+        )
 
     def __call__(
         self,
@@ -482,9 +553,7 @@ class Llama(nnx.Module):
         x = jnp.where(in_vocab[..., None], x, jnp.asarray(jnp.nan, x.dtype))
         is_real = True if num_new is None else jnp.arange(num_tokens)[None, :] < jnp.asarray(num_new)[:, None]
         bad_row = jnp.any(~in_vocab & is_real, axis=1)  # [B]; padding is never stored, so it may hold anything
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{i}"):
-                x, cache = layer(x, cache, positions=positions, num_new=num_new, rope=rope)
+        x, cache = self._run_layers(x, cache, positions=positions, num_new=num_new, rope=rope)
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, E]
         x = self.norm(x)
@@ -494,3 +563,37 @@ class Llama(nnx.Module):
             logits = self.lm_head(x)
         logits = jnp.where(bad_row[:, None, None], jnp.asarray(jnp.nan, logits.dtype), logits)
         return logits, cache
+
+    def _run_layers(self, x, cache, *, positions, num_new, rope):
+        """All decoder layers: a ``lax.scan`` per :func:`layer_plan` segment, or unrolled."""
+        config = self.config
+        windows = tuple(config.sliding_window if s else None for s in config.sliding_layers)
+        graphdef, weights = nnx.split(self.layers)
+
+        def run(layer, window, carry):  # layer: a Python int, or a traced int32 inside a scan
+            block = nnx.merge(graphdef, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, False), weights))
+            return block(
+                *carry, layer_idx=layer, sliding_window=window, positions=positions, num_new=num_new, rope=rope
+            )
+
+        carry = (x, cache)
+        if not (self.scan_layers and _scannable(cache)):
+            for i in range(config.num_layers):
+                with jax.named_scope(f"layer_{i}"):
+                    carry = run(i, windows[i], carry)
+            return carry
+        for start, unit, repeats in layer_plan(windows):
+            if repeats == 1:  # nothing repeats here: static indices, no loop
+                for i in range(start, start + unit):
+                    with jax.named_scope(f"layer_{i}"):
+                        carry = run(i, windows[i], carry)
+                continue
+
+            def body(carry, step, start=start, unit=unit):
+                for j in range(unit):
+                    carry = run(start + step * unit + j, windows[start + j], carry)
+                return carry, None
+
+            with jax.named_scope(f"layers_{start}_{start + unit * repeats}"):
+                carry, _ = jax.lax.scan(body, carry, jnp.arange(repeats, dtype=jnp.int32))
+        return carry

@@ -1,0 +1,227 @@
+"""What only a paged cache does: page allocation, sharing, copy-on-write, running out.
+
+The generic protocol (update/crop/reset/reorder/select under jit, vmap, scan, donation,
+pickling, NaN poisoning of unused page slots) is in ``test_conformance.py`` for the
+``paged`` and ``paged-int8`` kinds. Here: page accounting (every refcount equals the
+block-table entries plus pins naming the page), forks sharing pages, copy-on-write of only
+the written page, the out-of-pages policy, prefix pages attached to a new row, rows put
+from another pool, int4 pages against QuantizedCache's codec, 16-bit pages written in
+place. Attention is checked against a float64 NumPy softmax over the tokens each row
+was given.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache
+from jaxkv.attention import attend_view
+from reference import numpy_attention
+
+L, H, HQ, D, PS = 2, 2, 4, 8, 4
+
+
+def paged(batch=3, max_length=16, num_pages=None, **kw):
+    return PagedCache.init(
+        num_layers=L, batch_size=batch, num_kv_heads=H, head_dim=D, max_length=max_length, page_size=PS,
+        num_pages=num_pages, **kw,
+    )
+
+
+def states(rng, batch, t):
+    return jnp.asarray(rng.standard_normal((batch, H, t, D)), jnp.float32)
+
+
+@jax.jit
+def write_all(cache, k, num_new=None):
+    """Writes ``k`` (values ``k * 0.5``) into every layer, under jit (eager writes are
+    checked where the eager errors are the point)."""
+    for layer in range(L):
+        cache = cache.update(k, k * 0.5, layer, num_new=num_new)[0]
+    return cache
+
+
+@jax.jit
+def _attend_all(cache, q):
+    return [attend_view(q, cache.view(i), q_positions=cache.seq_lengths(i)[:, None]) for i in range(L)]
+
+
+def assert_accounting(cache, pins=None):
+    """refcount[p] == (block-table entries naming p) + pins; free pages are named by no row."""
+    table, refcount = np.asarray(cache.block_table), np.asarray(cache.refcount)
+    expected = np.bincount(table[table >= 0], minlength=cache.num_pages)
+    if pins is not None:
+        expected = expected + np.bincount(np.asarray(pins, int), minlength=cache.num_pages)
+    np.testing.assert_array_equal(refcount, expected)
+    lengths = np.asarray(cache.lengths).max(axis=0)
+    for b, n in enumerate(lengths):  # a row holds exactly the pages its longest layer reaches
+        held = (table[b] >= 0).sum()
+        assert held >= -(-n // PS), (b, n, table[b])
+
+
+def attention_matches(cache, tokens):
+    """Each row's attention (a query after its last token) against NumPy over ``tokens[b]``
+    (the keys that row was given, [n_b, H, D]; values are keys * 0.5)."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((cache.batch_size, HQ, 1, D)).astype(np.float32)
+    for layer, got in enumerate(_attend_all(cache, jnp.asarray(q))):
+        lengths = np.asarray(cache.seq_lengths(layer))
+        for b, row in enumerate(tokens):
+            assert lengths[b] == len(row)
+            if not len(row):
+                continue
+            k = np.asarray(row).transpose(1, 0, 2)[None]  # [1, H, n, D]
+            want = numpy_attention(q[b : b + 1], k, k * 0.5, np.array([[len(row)]]), np.array([len(row)]))
+            np.testing.assert_allclose(np.asarray(got[b : b + 1]), want, atol=2e-5, rtol=1e-4)
+
+
+def test_fork_shares_pages_and_a_write_copies_only_the_written_page():
+    rng = np.random.default_rng(0)
+    cache = paged(batch=1, num_pages=12)
+    prompt = states(rng, 1, 10)  # pages: 4 + 4 + 2 tokens
+    cache = write_all(cache, prompt)
+    assert cache.free_pages == 9
+    forked = cache.batch_repeat_interleave(3)
+    assert forked.free_pages == 9  # no page copied
+    np.testing.assert_array_equal(forked.block_table, np.repeat(np.asarray(cache.block_table), 3, axis=0))
+    assert_accounting(forked)
+    assert np.asarray(forked.refcount)[np.asarray(cache.block_table)[0, :3]].tolist() == [3, 3, 3]
+
+    step = states(rng, 3, 1)
+    out = write_all(forked, step)
+    # All three holders wrote into the shared last page: two copies, the first row kept it.
+    assert out.free_pages == 7
+    table = np.asarray(out.block_table)
+    assert (table[:, :2] == table[0, :2]).all()  # the full pages stay shared
+    assert len({table[0, 2], table[1, 2], table[2, 2]}) == 3
+    assert_accounting(out)
+    base = [np.asarray(prompt)[0].transpose(1, 0, 2)[i] for i in range(10)]
+    attention_matches(out, [base + [np.asarray(step)[b, :, 0]] for b in range(3)])
+
+    # The parent's view of the shared pages is untouched by the children's writes.
+    attention_matches(cache, [base])
+
+
+def test_beam_reorder_shares_and_frees_pages():
+    rng = np.random.default_rng(1)
+    cache = write_all(paged(batch=3, num_pages=9), states(rng, 3, 6))
+    out = cache.reorder_cache(jnp.array([2, 2, 0]))  # row 1's pages go back to the pool
+    assert_accounting(out)
+    assert out.free_pages == 9 - 4
+    out = write_all(out, states(rng, 3, 3))  # rows 0 and 1 share a half-full page
+    assert_accounting(out)
+
+
+def test_out_of_pages_is_an_error_eagerly_and_a_flag_under_jit():
+    rng = np.random.default_rng(2)
+    cache = write_all(paged(batch=3, num_pages=4), states(rng, 3, 0))  # empty, pool of 4 pages
+    k = states(rng, 3, 12)
+    with pytest.raises(ValueError, match=r"out of pages: row 1 needs 2 new page\(s\) of 4 tokens, but the pool has 4"):
+        cache.update(k, k, 0, num_new=jnp.array([12, 8, 1]))
+    out = write_all(cache, k, jnp.array([12, 8, 1]))
+    # Row 0 takes 3 pages; row 1 (2 pages) does not fit and stores nothing; row 2 fits.
+    np.testing.assert_array_equal(out.seq_lengths(1), [12, 0, 1])
+    np.testing.assert_array_equal(out.out_of_pages, [False, True, False])
+    assert (np.asarray(out.flags) & OUT_OF_PAGES).tolist() == [0, OUT_OF_PAGES, 0]
+    assert not out.overflowed.any()
+    with pytest.raises(CacheError, match=r"rows \[1\] found no free page"):
+        out.check()
+    host = np.asarray(k)
+    attention_matches(out, [list(host[0].transpose(1, 0, 2)), [], list(host[2].transpose(1, 0, 2)[:1])])
+    assert_accounting(out)
+    freed = out.reset(jnp.array([True, False, False]))
+    assert freed.free_pages == 3 and not freed.out_of_pages[0]
+    assert out.reset().free_pages == 4
+
+
+def test_crop_returns_pages_and_a_write_after_crop_into_a_shared_page_copies_it():
+    rng = np.random.default_rng(3)
+    k = states(rng, 1, 11)
+    cache = write_all(paged(batch=1, num_pages=8), k).batch_repeat_interleave(2)
+    cropped = cache.crop(jnp.array([5, 11]))  # row 0 keeps 5 tokens: its third page is released
+    assert cropped.free_pages == 8 - 3
+    assert_accounting(cropped)
+    new = states(rng, 2, 1)
+    out = write_all(cropped, new, jnp.array([1, 0]))  # row 0 writes position 5, inside the shared page 1
+    assert_accounting(out)
+    host = list(np.asarray(k)[0].transpose(1, 0, 2))
+    attention_matches(out, [host[:5] + [np.asarray(new)[0, :, 0]], host])  # row 1 still sees its own page 1
+
+
+def test_prefix_pages_attach_to_a_new_row_and_pins_keep_them():
+    rng = np.random.default_rng(4)
+    k = states(rng, 2, 9)
+    cache = write_all(paged(batch=2, num_pages=8), k, jnp.array([9, 0]))
+    prefix = cache.row_pages(0)[:2]  # the two full pages: 8 tokens
+    pinned = cache.retain(prefix)
+    assert_accounting(pinned, pins=prefix)
+    dropped = pinned.reset(jnp.array([True, False]))
+    assert dropped.free_pages == 8 - 2  # the pinned pages survive the row
+    attached = jax.jit(lambda c, p: c.attach_prefix(1, p, 8))(dropped, jnp.asarray(prefix))
+    assert_accounting(attached, pins=prefix)
+    host = list(np.asarray(k)[0].transpose(1, 0, 2))
+    attention_matches(attached, [[], host[:8]])
+    more = write_all(attached, k, jnp.array([0, 1]))  # position 8 goes to a fresh page
+    assert_accounting(more, pins=prefix)
+    assert more.release(prefix).refcount[jnp.asarray(prefix)].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="not empty"):
+        more.attach_prefix(1, prefix, 8)
+    with pytest.raises(ValueError, match="num_tokens=7 must be the pages' tokens"):
+        dropped.attach_prefix(1, prefix, 7)
+    with pytest.raises(ValueError, match="include a free page"):
+        cache.attach_prefix(1, [5], 4)
+    with pytest.raises(ValueError, match="not held"):
+        cache.release([7])
+
+
+def test_put_rows_copies_pages_into_fresh_ones():
+    rng = np.random.default_rng(5)
+    big = write_all(paged(batch=3, num_pages=9), states(rng, 3, 5))
+    k = states(rng, 2, 6)
+    small = write_all(paged(batch=2, num_pages=4), k)
+    out = big.put_rows(jnp.array([2, 0]), small)
+    assert_accounting(out)
+    host = np.asarray(k)
+    np.testing.assert_array_equal(out.seq_lengths(0), [6, 5, 6])
+    attention_matches(out.batch_select_indices(jnp.array([2, 0])), [list(host[b].transpose(1, 0, 2)) for b in range(2)])
+    with pytest.raises(ValueError, match="put_rows: out of pages"):
+        write_all(paged(batch=3, num_pages=5), states(rng, 3, 8), jnp.array([0, 8, 8])).put_rows(jnp.array([0, 1]), small)
+
+
+def test_int4_pages_read_like_the_quantized_cache():
+    rng = np.random.default_rng(6)
+    k = states(rng, 2, 7)
+    pages = write_all(paged(batch=2, bits=4, num_pages=6), k)
+    flat = QuantizedCache.init(num_layers=L, batch_size=2, num_kv_heads=H, head_dim=D, max_length=16, bits=4)
+    flat = write_all(flat, k)
+    q = jnp.asarray(rng.standard_normal((2, HQ, 1, D)), jnp.float32)
+    for layer in range(L):
+        pos = pages.seq_lengths(layer)[:, None]
+        np.testing.assert_allclose(
+            attend_view(q, pages.view(layer), q_positions=pos), attend_view(q, flat.view(layer), q_positions=pos),
+            atol=1e-6,
+        )
+        np.testing.assert_array_equal(pages[layer][0][:, :, :7], flat[layer][0][:, :, :7])
+
+
+def test_bf16_pages_are_written_in_place():
+    cache = paged(batch=2, max_length=4096, dtype=jnp.bfloat16)
+    k = jnp.ones((2, H, 1, D), jnp.bfloat16)
+    step = jax.jit(lambda c, k: c.update(k, k, 1)[0], donate_argnums=0)
+    hlo = step.lower(cache, k).compile().as_text()
+    pool = "[" + ",".join(map(str, cache.stores[0].keys.shape)) + "]"
+    assert not [line for line in hlo.splitlines() if f"f32{pool}" in line or (" copy(" in line and pool in line)]
+    out = step(cache, k)
+    assert out.keys.dtype == jnp.bfloat16 and float(out[1][0][0, 0, 0, 0]) == 1.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="power of two"):
+        PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=8, page_size=6)
+    with pytest.raises(ValueError, match="bits must be None"):
+        paged(bits=3)
+    with pytest.raises(ValueError, match="outside"):
+        paged().retain([99])
