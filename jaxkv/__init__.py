@@ -30,6 +30,7 @@ from jaxkv.caches import (
     quantize,
 )
 from jaxkv.models.layer_types import layer_types_from_config
+from jaxkv.offload import OffloadedCache
 from jaxkv.persist import CacheFileError, load_cache, load_sequence, model_fingerprint, save_cache, save_sequence
 from jaxkv.sampling import SamplingConfig
 
@@ -48,6 +49,7 @@ __all__ = [
     "KVCache",
     "PagedCache",
     "LayerView",
+    "OffloadedCache",
     "QuantizedCache",
     "SamplingConfig",
     "SlidingWindowCache",

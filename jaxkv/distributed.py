@@ -55,6 +55,7 @@ __all__ = [
     "launch",
     "make_mesh",
     "param_shardings",
+    "place",
     "shard_params",
     "sharded_model",
 ]
@@ -122,8 +123,9 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=LLAMA_RULES) -> Any:
     )
 
 
-def _place(x: Any, sharding: NamedSharding) -> jax.Array:
-    # Every process holds the same full value; each fills only its own devices' shards.
+def place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` (a host value, the same in every process) as a global array split by ``sharding``;
+    each process fills only its own devices' shards."""
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -134,7 +136,7 @@ def shard_params(model: nnx.Module, mesh: Mesh, rules=LLAMA_RULES) -> nnx.Module
     Every process must hold the same parameter values (same checkpoint or seed).
     """
     state = nnx.state(model)
-    nnx.update(model, jax.tree.map(_place, state, param_shardings(state, mesh, rules)))
+    nnx.update(model, jax.tree.map(place, state, param_shardings(state, mesh, rules)))
     return model
 
 
@@ -217,8 +219,8 @@ def generate(
         prompt_lengths = np.full((input_ids.shape[0],), input_ids.shape[1], np.int32)
     replicated = NamedSharding(mesh, P())
     out = jaxkv.generate(
-        sharded_model(model, mesh, rules), _place(input_ids.astype(np.int32), replicated), max_new_tokens,
-        prompt_lengths=_place(np.asarray(prompt_lengths, np.int32), replicated), **kwargs,
+        sharded_model(model, mesh, rules), place(input_ids.astype(np.int32), replicated), max_new_tokens,
+        prompt_lengths=place(np.asarray(prompt_lengths, np.int32), replicated), **kwargs,
     )
     return GenerateOutput(tokens=_gathered(out.tokens), lengths=_gathered(out.lengths))
 

@@ -1,0 +1,95 @@
+"""Generation throughput on 1, 2, 4 and 8 devices (data-parallel, and data x model-parallel).
+
+Runs ``jaxkv.generate`` on a mesh (``jaxkv.distributed``: tensor-parallel weights, cache
+split by rows and kv heads, rows split over the data axis) and prints generated tokens
+per second for each mesh, the second call of each (compiled) timed.
+
+On this machine the "devices" are virtual CPU devices (``--xla_force_host_platform_device_count``)
+sharing 2 cores: more devices cannot be faster here. The figures measure the overhead of
+partitioning (collectives, smaller per-device work), not a speedup. On real accelerators
+the same script measures scaling.
+
+    python benchmarks/bench_scale.py [--batch 8] [--new-tokens 32] [--repeats 3]
+        [--json benchmarks/results/scale.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__" and "--child" not in sys.argv and "jax" not in sys.modules:
+    # The device count is fixed when jax starts: run the measurement in a child process.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(subprocess.call([sys.executable, __file__, "--child", *sys.argv[1:]], env=env))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jaxkv
+from common import machine, print_table, write_json
+from jaxkv.distributed import make_mesh, place, sharded_model
+from jaxkv.models import Llama, LlamaConfig
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+CONFIG = LlamaConfig.tiny(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32
+)
+MESHES = ((1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (8, 1), (4, 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="benchmarks/results/scale.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    ids = np.random.default_rng(0).integers(1, CONFIG.vocab_size, (args.batch, args.prompt)).astype(np.int32)
+    lengths = np.full((args.batch,), args.prompt, np.int32)
+    rows, results, reference = [], [], None
+    for data, model_axis in MESHES:
+        if data * model_axis > jax.device_count():
+            continue
+        mesh = make_mesh(data, model_axis)
+        model = sharded_model(Llama(CONFIG, rngs=nnx.Rngs(0)), mesh)
+        replicated = NamedSharding(mesh, P())
+        placed_ids, placed_lengths = place(ids, replicated), place(lengths, replicated)
+
+        def run():
+            out = jaxkv.generate(model, placed_ids, args.new_tokens, prompt_lengths=placed_lengths)
+            return np.asarray(out.tokens)
+
+        tokens = run()  # compile
+        samples = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        seconds = sorted(samples)[len(samples) // 2]
+        reference = tokens if reference is None else reference
+        same = bool((tokens == reference).all())
+        rate = args.batch * args.new_tokens / seconds
+        base = results[0]["tokens_per_s"] if results else rate
+        results.append({"devices": data * model_axis, "data": data, "model": model_axis, "seconds": seconds,
+                        "tokens_per_s": rate, "same_tokens_as_one_device": same})
+        rows.append([data * model_axis, f"{data} x {model_axis}", f"{seconds * 1e3:.0f}", f"{rate:.0f}",
+                     f"{rate / base:.2f}x", "yes" if same else "NO"])
+    print(f"generate: batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "
+          f"{CONFIG.num_layers} layers, hidden {CONFIG.hidden_size}; {os.cpu_count()} CPU cores shared by all devices")
+    print_table(["devices", "data x model", "ms", "tokens/s", "vs 1 device", "same tokens"], rows)
+    write_json(args.json, {"machine": machine(), "config": str(CONFIG), "results": results})
+
+
+if __name__ == "__main__":
+    main()
