@@ -4,9 +4,18 @@ Meant to be run once, as is, on a GPU (or TPU) machine, and to finish in a few m
 
     python benchmarks/bench_device.py --json "$OUT/device.json"
 
-It runs, on ``jax.devices()[0]``, the same measurements as the CPU benchmarks, side by side
-in one run:
+It runs, on ``jax.devices()[0]``, side by side in one run:
 
+0. issue 14, decode attention kernels (:mod:`jaxkv.attention.pallas_gpu`): one decode token
+   over L layers x 32K filled tokens at batch 1 and 8, for a float32, a bfloat16 and an int8
+   cache (bf16 model, per-token bf16 scales): the Pallas split-K kernel, the blockwise XLA
+   loop, cuDNN (``jax.nn.dot_product_attention(implementation="cudnn",
+   key_value_seq_lengths=...)``, over its own [B, S, H, D] copy of the cache; where it
+   refuses an input the reason is printed) and masked attention over the whole buffer, each
+   as GB/s of cache bytes (codes + scales for int8) and as % of a jitted ``jnp.sum`` over
+   the same arrays; then fill 1K at capacities 1K..64K, kernel vs masked vs XLA loop. Heads
+   are the Llama-3.2-1B shape (32 query / 8 kv heads, head dim 64). Off a GPU the kernel
+   runs in Pallas interpret mode (correct but not a speed: the table says so);
 1. capacity independence: one decode step at fill 1K, capacity 1K-64K, blockwise vs masked
    attention (``bench_attention.capacity_table``);
 2. bandwidth: blockwise attention of one token over 8 layers x 32K tokens at batch 1 and 8
@@ -16,8 +25,9 @@ in one run:
    (transformers is left out: its GPU build is not what this project installs), with the
    read floor of ``bench_generate``.
 
-``--quick`` shrinks every size (a smoke run for CPU, a minute). The JSON holds the device
-description, so GPU figures can sit beside the CPU ones in ``benchmarks/results/``.
+``--quick`` shrinks every size (a smoke run for CPU, a minute). ``--sections`` picks parts
+(``kernels`` is part 0; default: all). The JSON holds the device description, so GPU
+figures can sit beside the CPU ones in ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -32,34 +42,227 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import bench_attention as ba  # noqa: E402
 import bench_generate as bg  # noqa: E402
-from common import machine, write_json  # noqa: E402
+from common import machine, print_table, time_calls, write_json  # noqa: E402
+from jaxkv.attention import attend, blockwise_attend, pallas_attend_view, quantized_blockwise_attend  # noqa: E402
+from jaxkv.caches._bits import from_bits  # noqa: E402
+from jaxkv.caches.quantized import dequantize  # noqa: E402
+from jaxkv.caches.views import ContiguousView, QuantizedView  # noqa: E402
+
+# Issue-14 tables: the Llama-3.2-1B attention shape.
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
+SECTIONS = ("kernels", "capacity", "bandwidth", "loop", "generate")
+
+
+def _kv_buffers(kind, layers, batch, capacity, seed=0):
+    """Stacked cache arrays as jaxkv stores them, and the bytes a full read touches."""
+    rng = np.random.default_rng(seed)
+    shape = (layers, batch, KV_HEADS, capacity, HEAD_DIM)
+    if kind == "int8":
+        codes = [jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)) for _ in range(2)]
+        scales = [jax.lax.bitcast_convert_type(jnp.asarray(rng.uniform(0.005, 0.02, shape[:-1]), jnp.bfloat16),
+                                               jnp.uint16) for _ in range(2)]
+        return dict(codes=codes, scales=scales), sum(x.nbytes for x in codes + scales)
+    dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+    arrays = [jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(2)]
+    if dtype == jnp.bfloat16:  # as StaticCache keeps it: uint16 bits
+        arrays = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in arrays]
+    return dict(kv=arrays), sum(x.nbytes for x in arrays)
+
+
+def _model_dtype(kind):
+    return jnp.float32 if kind == "f32" else jnp.bfloat16
+
+
+def _view(kind, buffers, layer, lengths):
+    if kind == "int8":
+        (kc, vc), (ks, vs) = buffers["codes"], buffers["scales"]
+        batch = kc.shape[1]
+        empty = jnp.zeros((batch, KV_HEADS, 0, HEAD_DIM), jnp.bfloat16)
+        return QuantizedView(kc, vc, ks, vs, empty, empty, jnp.zeros((batch, 0), jnp.int32), layer, lengths, 8,
+                             jnp.bfloat16, jnp.bfloat16)
+    keys, values = buffers["kv"]
+    return ContiguousView(keys, values, layer, lengths, _model_dtype(kind))
+
+
+def _dense_layer(view):
+    """The layer as a float array, read whole (what masked attention and cuDNN consume)."""
+    if isinstance(view, QuantizedView):
+        return tuple(dequantize(c[view.layer], from_bits(s[view.layer], jnp.bfloat16), 8, jnp.bfloat16)
+                     for c, s in ((view.keys, view.key_scales), (view.values, view.value_scales)))
+    return tuple(from_bits(x[view.layer], view.dtype) for x in (view.keys, view.values))
+
+
+def _strategies(kind, interpret):
+    """name -> fn(q, q_pos, view) for one layer; cuDNN gets [B, S, H, D] arrays instead."""
+    def pallas(q, pos, view):
+        return pallas_attend_view(q, view, q_positions=pos, interpret=interpret)
+
+    def xla(q, pos, view):
+        if isinstance(view, QuantizedView):
+            return quantized_blockwise_attend(q, view, q_positions=pos)
+        return blockwise_attend(q, view.keys, view.values, layer_idx=view.layer, q_positions=pos,
+                                kv_lengths=view.lengths, implementation="xla", kv_dtype=view.dtype)
+
+    def masked(q, pos, view):
+        keys, values = _dense_layer(view)
+        return attend(q, keys, values, q_positions=pos, kv_lengths=view.lengths)
+
+    return {"pallas kernel": pallas, "XLA loop": xla, "masked": masked}
+
+
+def _cudnn_step(layers):
+    """One token over every layer with cuDNN's fused attention, on [B, S, H, D] arrays
+    (its layout: jaxkv's cache would need a transposed copy, so it gets its own)."""
+    def step(q, keys, values, lengths):  # q [B, 1, Hq, D]; keys/values: lists of [B, S, H, D]
+        return jnp.stack([jax.nn.dot_product_attention(q, keys[i], values[i], key_value_seq_lengths=lengths,
+                                                       implementation="cudnn") for i in range(layers)])
+    return jax.jit(step)
+
+
+def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity_kinds, fill, repeats):
+    """Issue 14's figures: GB/s of each decode-attention strategy against jnp.sum, and
+    fill-1K step times against capacity. Interleaved rounds, best of 3 (a slow spell of a
+    shared machine then hits every column, not one)."""
+    backend = jax.default_backend()
+    interpret = backend != "gpu"
+    note = " (Pallas INTERPRET mode: a correctness run, not a speed)" if interpret else ""
+    rows, results = [], {"bandwidth": [], "capacity": {}, "interpret": interpret}
+    for kind in kinds:
+        for batch in batches:
+            buffers, nbytes = _kv_buffers(kind, layers, batch, tokens)
+            lengths = jnp.full((batch,), tokens, jnp.int32)
+            pos = jnp.full((batch, 1), tokens - 1, jnp.int32)
+            q = jnp.asarray(np.random.default_rng(2).standard_normal((batch, Q_HEADS, 1, HEAD_DIM)), _model_dtype(kind))
+            calls, skipped = {}, {}
+            for name, fn in _strategies(kind, interpret).items():
+                def all_layers(q, buffers, fn=fn):
+                    return jnp.stack([fn(q, pos, _view(kind, buffers, i, lengths)) for i in range(layers)])
+                step = jax.jit(all_layers)
+                calls[name] = lambda step=step: step(q, buffers).block_until_ready()
+            arrays = [x for group in buffers.values() for x in group]
+            read = jax.jit(lambda arrays: sum(jnp.sum(x, dtype=jnp.float32 if x.dtype == jnp.float32 else jnp.int32)
+                                              for x in arrays))
+            calls["jnp.sum"] = lambda: read(arrays).block_until_ready()
+            if backend != "gpu":
+                skipped["cuDNN"] = f"needs a CUDA GPU (backend here: {backend})"
+            else:
+                try:
+                    dense = [_dense_layer(_view(kind, buffers, i, lengths)) for i in range(layers)]
+                    keys = [k.transpose(0, 2, 1, 3) for k, _ in dense]
+                    values = [v.transpose(0, 2, 1, 3) for _, v in dense]
+                    del dense
+                    step, qt = _cudnn_step(layers), q.transpose(0, 2, 1, 3)
+                    step(qt, keys, values, lengths).block_until_ready()
+                    calls["cuDNN"] = lambda: step(qt, keys, values, lengths).block_until_ready()
+                except Exception as err:  # cuDNN refuses some shapes/dtypes: say why
+                    skipped["cuDNN"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            best = {}
+            for _ in range(3):
+                for name, call in calls.items():
+                    if name in skipped:
+                        continue
+                    try:
+                        t = time_calls(call, repeats=repeats, warmup=1 if interpret else 3)
+                    except Exception as err:
+                        skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                        continue
+                    best[name] = min(t, best.get(name, t))
+            row = dict(kind=kind, batch=batch, cache_mb=nbytes / 2**20,
+                       gbs={name: nbytes / t / 1e9 for name, t in best.items()},
+                       ms={name: t * 1e3 for name, t in best.items()}, skipped=skipped)
+            results["bandwidth"].append(row)
+            del buffers, arrays, calls
+    print(f"\n0a. Decode attention, 1 token x {layers} layers x {tokens} filled tokens, {Q_HEADS}/{KV_HEADS} heads, "
+          f"D={HEAD_DIM}: GB/s of cache bytes and % of jnp.sum over the same arrays{note}")
+    names = ["pallas kernel", "XLA loop", "cuDNN", "masked"]
+    headers = ["cache", "batch", "MB", "jnp.sum GB/s"] + [f"{n} GB/s (%)" for n in names]
+    for r in results["bandwidth"]:
+        ref = r["gbs"].get("jnp.sum")
+        cells = [r["kind"], r["batch"], f"{r['cache_mb']:.0f}", f"{ref:.1f}" if ref else "-"]
+        for n in names:
+            cells.append(f"{r['gbs'][n]:.1f} ({r['gbs'][n] / ref * 100:.0f}%)" if n in r["gbs"] and ref else "skipped")
+        rows.append(cells)
+    print_table(headers, rows)
+    for r in results["bandwidth"]:
+        for name, why in r["skipped"].items():
+            print(f"   {r['kind']} batch {r['batch']}: {name} skipped: {why}")
+
+    # Fill 1K: the step must not grow with capacity, and beat masked attention everywhere.
+    table = {}
+    for kind in capacity_kinds:
+        inputs = {}
+        for capacity in capacities:
+            buffers, _ = _kv_buffers(kind, 1, 1, capacity)
+            q = jnp.ones((1, Q_HEADS, 1, HEAD_DIM), _model_dtype(kind))
+            inputs[capacity] = (q, buffers)
+        lengths, pos = jnp.full((1,), fill, jnp.int32), jnp.full((1, 1), fill - 1, jnp.int32)
+        steps = {name: jax.jit(lambda q, buffers, fn=fn: fn(q, pos, _view(kind, buffers, 0, lengths)))
+                 for name, fn in _strategies(kind, interpret).items()}
+        times = {name: {} for name in steps}
+        for _ in range(3):
+            for name, step in steps.items():
+                for capacity, args in inputs.items():
+                    t = time_calls(lambda: step(*args).block_until_ready(), repeats=repeats, warmup=1 if interpret else 3)
+                    times[name][capacity] = min(t, times[name].get(capacity, t))
+        table[kind] = times
+        del inputs
+    print(f"\n0b. One decode step at fill {fill}, batch 1, one layer, capacity {capacities[0]}..{capacities[-1]} "
+          f"(us; best of 3 interleaved rounds){note}")
+    headers = ["cache", "strategy"] + [f"cap {c}" for c in capacities] + [f"{capacities[-1]} / {capacities[0]}"]
+    rows = []
+    for kind, times in table.items():
+        for name, row in times.items():
+            rows.append([kind, name] + [f"{row[c] * 1e6:.0f}" for c in capacities]
+                        + [f"{row[capacities[-1]] / row[capacities[0]]:.2f}x"])
+    print_table(headers, rows)
+    results["capacity"] = {kind: {name: {str(c): t for c, t in row.items()} for name, row in times.items()}
+                           for kind, times in table.items()}
+    results["shape"] = dict(layers=layers, tokens=tokens, batches=batches, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                            head_dim=HEAD_DIM, fill=fill, capacities=capacities)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a CPU smoke run")
     parser.add_argument("--json", default=None, help="where to write the figures (default: results/device_<backend>.json)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     backend = jax.default_backend()
     start = time.perf_counter()
     print(f"device: {jax.devices()[0]} (backend {backend}, {jax.device_count()} device(s))")
     if args.quick:
+        kernels = dict(layers=2, tokens=1024, batches=[1], kinds=["f32", "bf16", "int8"], capacities=[1024, 4096],
+                       capacity_kinds=["bf16"], fill=512, repeats=3)
         capacities, bw, loop = [1024, 4096], dict(layers=2, tokens=4096, batches=[1]), dict(capacities=[2048, 8192], steps=50)
         cells, steps = [(1, 256)], 16
     else:
+        kernels = dict(layers=8, tokens=32768, batches=[1, 8], kinds=["f32", "bf16", "int8"],
+                       capacities=[1024, 4096, 16384, 65536], capacity_kinds=["f32", "bf16"], fill=1024, repeats=20)
         capacities, bw, loop = [1024, 4096, 16384, 65536], dict(layers=8, tokens=32768, batches=[1, 8]), dict(
             capacities=[2048, 65536], steps=1000)
         cells, steps = [(1, 128), (1, 1024), (1, 4096), (8, 128), (8, 1024), (8, 4096)], 128
-    payload = {"machine": machine(), "device": str(jax.devices()[0])}
-    payload["capacity"] = ba.capacity_table(capacities, fill=1024, repeats=30)
-    payload["bandwidth"] = ba.bandwidth_table(repeats=10, profile=backend == "cpu", **bw)
-    payload["loop"] = ba.loop_table(fill=1024, **loop)
-    generate = bg.run_benchmark(bg.FULL, cells, steps=steps, repeats=3, strategies=("jaxkv", "nnx"))
-    bg.report(generate)
-    payload["generate"] = generate
+    payload = {"machine": machine(), "device": str(jax.devices()[0]), "sections": sections}
+    if "kernels" in sections:
+        payload["kernels"] = decode_kernel_tables(**kernels)
+    if "capacity" in sections:
+        payload["capacity"] = ba.capacity_table(capacities, fill=1024, repeats=30)
+    if "bandwidth" in sections:
+        payload["bandwidth"] = ba.bandwidth_table(repeats=10, profile=backend == "cpu", **bw)
+    if "loop" in sections:
+        payload["loop"] = ba.loop_table(fill=1024, **loop)
+    if "generate" in sections:
+        generate = bg.run_benchmark(bg.FULL, cells, steps=steps, repeats=3, strategies=("jaxkv", "nnx"))
+        bg.report(generate)
+        payload["generate"] = generate
     payload["wall_s"] = time.perf_counter() - start
     print(f"total {payload['wall_s']:.0f} s")
     write_json(args.json or str(HERE / "results" / f"device_{backend}{'_quick' if args.quick else ''}.json"), payload)

@@ -429,9 +429,10 @@ def _call_kernel(q, qpos, bounds, rpos, ints, floats, keys, values, key_scales, 
     batch, num_kv_heads, rows, width = q.shape
     kernel = functools.partial(_split_kernel, num_splits=num_splits, block_k=block_k, **kernel_static)
     whole = pl.no_block_spec  # the whole array: the kernel indexes the stacked buffers itself
-    tile = pl.BlockSpec((None, None, rows, width), lambda b, h, j: (b, h, 0, 0))
-    out_tile = pl.BlockSpec((None, None, None, rows, width), lambda b, h, j: (b, h, j, 0, 0))
-    out_row = pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0))
+    one = pl.squeezed  # a size-1 block dimension, dropped from the kernel's view
+    tile = pl.BlockSpec((one, one, rows, width), lambda b, h, j: (b, h, 0, 0))
+    out_tile = pl.BlockSpec((one, one, one, rows, width), lambda b, h, j: (b, h, j, 0, 0))
+    out_row = pl.BlockSpec((one, one, one, rows), lambda b, h, j: (b, h, j, 0))
     stats = jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32)
     return pl.pallas_call(
         kernel,
