@@ -58,6 +58,12 @@ interpret mode off a GPU; ``=0`` turns them off). On CPU they run in Pallas inte
 (``tests/test_pallas_gpu.py``: the float64 reference and the contract); GPU figures come
 from ``benchmarks/bench_device.py``.
 
+Not done yet: the kernels have no partitioning rule, so over a cache sharded across several
+GPUs XLA would gather each layer onto every device before the call (set
+``JAXKV_PALLAS_GPU=0`` there, or call them per shard under ``shard_map``); paged views
+(:class:`~jaxkv.caches.PagedView`) keep the blockwise loop. Derivatives come from the XLA
+loop (``custom_jvp``), which computes the same function.
+
 Shapes: B rows, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim,
 M = G * T padded, BK slots per block, NS splits, R residual slots.
 """
