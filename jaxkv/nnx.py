@@ -86,13 +86,14 @@ class KVAttention(nnx.Module):
         num_heads: Hq.
         num_kv_heads: H (Hq must be a multiple).
         head_dim: D.
-        layer_idx: which cache layer this module reads and writes.
+        layer_idx: which cache layer this module reads and writes; None when every
+            call says it (a model scanning one module over stacked layer weights).
         qkv_bias: bias on the q/k/v projections (Qwen2).
         out_bias: bias on the output projection.
         q_norm, k_norm: optional modules applied to [..., D] per head before the
             position encoding.
         sliding_window: if set, a query sees only the last ``sliding_window`` positions
-            (itself included).
+            (itself included). A call may set it instead (per layer of a stacked model).
         logit_softcap: optional soft-capping of attention logits.
         param_dtype: dtype of the projection weights.
         rngs: initialisation randomness.
@@ -110,7 +111,7 @@ class KVAttention(nnx.Module):
         num_kv_heads: int,
         head_dim: int,
         *,
-        layer_idx: int,
+        layer_idx: int | None = None,
         qkv_bias: bool = False,
         out_bias: bool = False,
         q_norm: nnx.Module | None = None,
@@ -149,6 +150,8 @@ class KVAttention(nnx.Module):
         positions: jax.Array,  # [B, T] int
         num_new: jax.Array | None = None,  # [B] int
         rope: Callable[[jax.Array], jax.Array] | None = None,
+        layer_idx: int | jax.Array | None = None,
+        sliding_window: int | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Attends the new tokens over the cache and returns the output and the new cache.
 
@@ -163,15 +166,32 @@ class KVAttention(nnx.Module):
                 whose rows share one length.
             rope: position encoding applied to [B, heads, T, D] queries and keys (already
                 bound to ``positions``), or None.
+            layer_idx: the cache layer for this call, overriding the module's: a Python
+                int, or a traced int32 scalar inside a ``lax.scan`` over layers (caches
+                with one storage; see :class:`jaxkv.caches.KVCache`).
+            sliding_window: this call's window, for a module built without one.
 
         Returns:
             ``(y [B, T, E], new_cache)``; ``new_cache`` is None when ``cache`` is None.
             Outputs at padding tokens are finite but meaningless.
 
         Raises:
-            ValueError: ``num_new`` with a DynamicCache, or shapes that do not match.
+            ValueError: ``num_new`` with a DynamicCache, shapes that do not match, no
+                layer index (neither the module's nor the call's), or a call window that
+                differs from the module's.
             TypeError: a cache that is not a jaxkv cache.
         """
+        if layer_idx is None:
+            layer_idx = self.layer_idx
+        if layer_idx is None and cache is not None:
+            raise ValueError("KVAttention: no cache layer: build it with layer_idx=, or pass layer_idx= to the call")
+        if sliding_window is None:
+            sliding_window = self.sliding_window
+        elif self.sliding_window is not None and sliding_window != self.sliding_window:
+            raise ValueError(
+                f"KVAttention: the call asks for sliding_window={sliding_window} but the module was built "
+                f"with {self.sliding_window}; build it without a window to set one per call"
+            )
         batch, num_tokens, _ = x.shape
 
         def heads(proj, n):  # [B, T, E] -> [B, T, n, D]
@@ -193,10 +213,10 @@ class KVAttention(nnx.Module):
             k,
             v,
             cache,
-            self.layer_idx,
+            layer_idx,
             positions=positions,
             num_new=num_new,
-            sliding_window=self.sliding_window,
+            sliding_window=sliding_window,
             logit_softcap=self.logit_softcap,
         )  # [B, Hq, T, D]
         out = out.transpose(0, 2, 1, 3).reshape(batch, num_tokens, self.num_heads * self.head_dim)

@@ -55,36 +55,39 @@ class Pretrained:
     path: str
 
 
-def hf_weight_names(config: LlamaConfig) -> Iterator[tuple[str, tuple[Any, ...], bool]]:
+def hf_weight_names(config: LlamaConfig) -> Iterator[tuple[str, tuple[Any, ...], int | None, bool]]:
     """The checkpoint tensors a config needs.
 
     Yields:
-        ``(hf_key, model_path, transpose)``: the safetensors key, the path of the matching
-        parameter in ``nnx.state(model)``, and whether the HF ``[out, in]`` matrix must be
-        transposed into an ``nnx.Linear`` kernel ``[in, out]``.
+        ``(hf_key, model_path, layer, transpose)``: the safetensors key, the path of the
+        matching parameter in ``nnx.state(model)``, the index along that parameter's
+        leading [L] axis for a decoder layer's tensor (the model stacks its layers; None
+        for the others), and whether the HF ``[out, in]`` matrix must be transposed into
+        an ``nnx.Linear`` kernel ``[in, out]``.
     """
-    yield "model.embed_tokens.weight", ("embed_tokens", "embedding"), False
-    yield "model.norm.weight", ("norm", "weight"), False
+    yield "model.embed_tokens.weight", ("embed_tokens", "embedding"), None, False
+    yield "model.norm.weight", ("norm", "weight"), None, False
     if not config.tie_word_embeddings:
-        yield "lm_head.weight", ("lm_head", "kernel"), True
+        yield "lm_head.weight", ("lm_head", "kernel"), None, True
 
-    def linear(hf_prefix, path, bias):
-        yield f"{hf_prefix}.weight", path + ("kernel",), True
+    def linear(hf_prefix, path, layer, bias):
+        yield f"{hf_prefix}.weight", path + ("kernel",), layer, True
         if bias:
-            yield f"{hf_prefix}.bias", path + ("bias",), False
+            yield f"{hf_prefix}.bias", path + ("bias",), layer, False
 
+    me = ("layers",)
     for i in range(config.num_layers):
-        hf, me = f"model.layers.{i}", ("layers", i)
-        yield f"{hf}.input_layernorm.weight", me + ("input_layernorm", "weight"), False
-        yield f"{hf}.post_attention_layernorm.weight", me + ("post_attention_layernorm", "weight"), False
+        hf = f"model.layers.{i}"
+        yield f"{hf}.input_layernorm.weight", me + ("input_layernorm", "weight"), i, False
+        yield f"{hf}.post_attention_layernorm.weight", me + ("post_attention_layernorm", "weight"), i, False
         for name in ("q_proj", "k_proj", "v_proj"):
-            yield from linear(f"{hf}.self_attn.{name}", me + ("self_attn", name), config.qkv_bias)
-        yield from linear(f"{hf}.self_attn.o_proj", me + ("self_attn", "o_proj"), config.out_bias)
+            yield from linear(f"{hf}.self_attn.{name}", me + ("self_attn", name), i, config.qkv_bias)
+        yield from linear(f"{hf}.self_attn.o_proj", me + ("self_attn", "o_proj"), i, config.out_bias)
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
-                yield f"{hf}.self_attn.{name}.weight", me + ("self_attn", name, "weight"), False
+                yield f"{hf}.self_attn.{name}.weight", me + ("self_attn", name, "weight"), i, False
         for name in ("gate_proj", "up_proj", "down_proj"):
-            yield from linear(f"{hf}.mlp.{name}", me + ("mlp", name), config.mlp_bias)
+            yield from linear(f"{hf}.mlp.{name}", me + ("mlp", name), i, config.mlp_bias)
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -242,7 +245,7 @@ def _load_tensors(
     from safetensors import safe_open
 
     files = _weight_files(directory)
-    needed = {key: (path, transpose) for key, path, transpose in hf_weight_names(config)}
+    needed = {key: (path, layer, transpose) for key, path, layer, transpose in hf_weight_names(config)}
     missing = [key for key in needed if key not in files]
     if missing:
         where = INDEX_FILE if os.path.isfile(os.path.join(directory, INDEX_FILE)) else WEIGHTS_FILE
@@ -265,15 +268,23 @@ def _load_tensors(
             + f"; the config describes a {config.architecture} that has no such weight"
         )
 
+    # A stacked parameter gathers its layers in one host buffer, which goes to the device
+    # as soon as its last layer is in; reading each file's keys parameter by parameter keeps
+    # at most one such buffer on the host at a time (per shard file the parameter spans).
+    layers_left = {}
+    for path, layer, _ in needed.values():
+        if layer is not None:
+            layers_left[path] = layers_left.get(path, 0) + 1
     by_file: dict[str, list[str]] = {}
     for key in needed:
         by_file.setdefault(files[key], []).append(key)
-    loaded = {}
+    loaded, stacking = {}, {}
     for file, keys in by_file.items():
+        keys.sort(key=lambda k: (needed[k][0], -1 if needed[k][1] is None else needed[k][1]))
         with _open_safetensors(file, safe_open) as f:
             for key in keys:
-                path, transpose = needed[key]
-                expected = model_shapes[path]
+                path, layer, transpose = needed[key]
+                expected = model_shapes[path] if layer is None else model_shapes[path][1:]
                 hf_shape = tuple(expected[::-1]) if transpose else tuple(expected)
                 try:
                     got = tuple(f.get_slice(key).get_shape())
@@ -290,10 +301,17 @@ def _load_tensors(
                     raise CheckpointError(f"{file}: tensor {key!r} is corrupt ({e})") from e
                 if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
                     raise CheckpointError(f"{file}: tensor {key!r} has dtype {array.dtype}, expected a float")
-                # One host copy at most (dtype change and transpose together), then the device
-                # array; the host copy is freed before the next tensor is read.
-                array = np.ascontiguousarray(array.T if transpose else array, dtype=dtype)
-                loaded[path] = jax.device_put(array)
+                if layer is None:
+                    # One host copy at most (dtype change and transpose together), then the
+                    # device array; the host copy is freed before the next tensor is read.
+                    loaded[path] = jax.device_put(np.ascontiguousarray(array.T if transpose else array, dtype=dtype))
+                else:
+                    if path not in stacking:
+                        stacking[path] = np.empty(model_shapes[path], dtype)
+                    stacking[path][layer] = array.T if transpose else array
+                    layers_left[path] -= 1
+                    if not layers_left[path]:
+                        loaded[path] = jax.device_put(stacking.pop(path))
                 del array
     return loaded
 
