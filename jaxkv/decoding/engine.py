@@ -1,0 +1,536 @@
+"""A serving engine on a paged cache: continuous batching, prefix caching, preemption.
+
+:class:`PagedEngine` keeps up to ``max_rows`` requests in one :class:`~jaxkv.PagedCache`
+whose pool of ``num_pages`` pages is shared by them, so a request holds pages for the
+tokens it has, not ``max_length`` slots: the pool admits as many requests as its pages
+can hold.
+
+Each step is one compiled call over all rows:
+
+* **mixed step** (some row has prompt left): a ``[R, C]`` forward where a prefilling row
+  brings its next chunk of up to ``C`` prompt tokens and a generating row its one new
+  token (``num_new`` per row: chunked prefill rides along with decoding);
+* **decode step** (nobody prefilling): ``[R, 1]``.
+
+Both sample inside the program, per row: greedy at temperature 0, else temperature and
+top-p with the key ``fold_in(PRNGKey(seed), token_index)``: a request's tokens depend on
+its prompt, its settings and its seed only, never on what else shares the batch, its
+row, or whether it was preempted.
+
+**Admission** takes waiting requests in arrival order while rows and pages last (a
+request needs the pages of its uncached prompt plus one). **Prefix cache**: every full
+page of a prompt is indexed by a hash chain ``h_i = sha256(h_{i-1}, page tokens)`` as soon
+as it is written, and the index pins it (``PagedCache.retain``); a new request whose
+prompt starts with indexed pages attaches them (``attach_prefix``: shared, no copy) and
+prefills only the rest. A request whose next uncached page is being written by another
+row waits one step for it rather than computing it twice. Unpinned by LRU eviction when
+the pool runs short (only pages no row holds). **Preemption**: when a step needs more
+pages than are free (after eviction), the most recently admitted requests give their row
+back (pages freed; shared prefix pages stay with the index) and rejoin the front of the
+queue with their generated tokens appended to the prompt, to be recomputed; their
+output is unchanged.
+
+Stop conditions per request: ``max_new_tokens``, ``stop_token_ids`` (kept in the output).
+:meth:`PagedEngine.stream` yields ``(request id, token)`` as tokens are produced;
+:meth:`PagedEngine.run` collects them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv._checks import check_model, check_token_ids, model_vocab_size
+from jaxkv.caches import NO_PAGE
+from jaxkv.decoding._common import check_positive_int, forward
+
+__all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One request to :class:`PagedEngine`.
+
+    Attributes:
+        prompt: token ids (at least one).
+        max_new_tokens: the most tokens to generate (>= 1).
+        temperature: 0 for greedy (lowest id on ties), else the sampling temperature.
+        top_p: nucleus mass in (0, 1], or None (no filter).
+        seed: sampling seed; token ``i`` uses ``fold_in(PRNGKey(seed), i)``.
+        stop_token_ids: tokens that end the request (kept in its output).
+        arrival: the engine step at which the request becomes visible.
+        id: anything hashable naming the request (default: its index).
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    arrival: int = 0
+    id: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """A finished request: its tokens, why it ended (``"stop"`` or ``"length"``), how many
+    prompt tokens came from the prefix cache, how often it was preempted, and the engine
+    steps of admission, first token and last token."""
+
+    id: Any
+    tokens: tuple[int, ...]
+    finish_reason: str
+    cached_tokens: int
+    preemptions: int
+    admitted_step: int
+    first_token_step: int
+    finished_step: int
+
+
+class PrefixIndex:
+    """Host-side index of full cache pages by the tokens they hold (and all before them).
+
+    Key of page ``i`` of a sequence: ``sha256(key of page i-1 || page tokens)``, so equal
+    keys mean equal token prefixes. Each entry pins its page in the pool; entries are
+    evicted least recently used first, and only when no row holds the page.
+    """
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._pages: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU order
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
+        """The chain keys of every full page of ``tokens``."""
+        keys, parent, ps = [], b"", self.page_size
+        for i in range(len(tokens) // ps):
+            chunk = np.asarray(tokens[i * ps : (i + 1) * ps], np.int64).tobytes()
+            parent = hashlib.sha256(parent + chunk).digest()
+            keys.append(parent)
+        return keys
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Pages of the longest indexed prefix of ``keys`` (marked recently used)."""
+        pages = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None:
+                break
+            self._pages.move_to_end(key)
+            pages.append(page)
+        return pages
+
+    def insert(self, key: bytes, page: int) -> bool:
+        """Indexes ``page`` under ``key``; False if the key is already there (nothing pinned)."""
+        if key in self._pages:
+            self._pages.move_to_end(key)
+            return False
+        self._pages[key] = page
+        return True
+
+    def evictable(self, refcount: np.ndarray) -> list[tuple[bytes, int]]:
+        """Entries whose page only the index holds, least recently used first."""
+        return [(k, p) for k, p in self._pages.items() if refcount[p] == 1]
+
+    def remove(self, key: bytes) -> int:
+        return self._pages.pop(key)
+
+
+@dataclasses.dataclass
+class _Running:
+    index: int  # in the run's request list
+    request: EngineRequest
+    admitted_step: int
+    prompt: list[int]  # what the row must hold before it generates (the prompt, plus tokens regenerated after preemption)
+    written: int  # tokens of `prompt` in the row
+    cached: int  # of them, attached from the prefix index
+    keys: list[bytes]  # chain keys of the prompt's full pages
+    indexed: int  # of those keys, how many this row has offered to the index
+
+
+def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V], [R]
+    probs = jax.nn.softmax(logits, axis=-1)
+    order = jnp.argsort(-probs, axis=-1, stable=True)
+    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p[:, None]
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _sample_rows(logits, temperature, top_p, seeds, index):  # [R, V], [R] each -> int32 [R]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    filtered = _per_row_top_p(scaled, top_p)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, index)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+# Compiled once per (model structure, shapes) for every engine: engines over the same model
+# and sizes share their programs. Tracing bumps the counter (compile_counts).
+_TRACES: collections.Counter = collections.Counter()
+
+
+@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def _step_program(graphdef, state, cache, tokens, num_new, temperature, top_p, seeds, index):
+    _TRACES[f"step{tokens.shape[1]}"] += 1
+    logits, cache = forward(graphdef, state, tokens, cache, num_new)
+    last = jnp.take_along_axis(logits, jnp.clip(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return _sample_rows(last, temperature, top_p, seeds, index), cache.free_pages, cache
+
+
+@partial(jax.jit, donate_argnames="cache")
+def _admit_program(cache, rows, pages, num_tokens):
+    # rows: int32[N] (>= R: unused); pages: int32[N, M]; empties the rows, attaches prefixes.
+    cache = cache.reset(jnp.zeros((cache.batch_size,), bool).at[rows].set(True, mode="drop"))
+    for i in range(rows.shape[0]):
+        cache = cache.attach_prefix(rows[i], pages[i], num_tokens[i])
+    return cache
+
+
+@partial(jax.jit, donate_argnames="cache", static_argnames="delta")
+def _pin_program(cache, pages, delta):
+    return cache.retain(pages) if delta > 0 else cache.release(pages)
+
+
+class PagedEngine:
+    """Continuous batching over a paged cache with prefix caching (see the module doc).
+
+    Args:
+        model: an ``nnx.Module`` decoder with ``init_cache(kind="paged", ...)``
+            (:class:`jaxkv.models.Llama`).
+        max_rows: R, requests decoded together (rows of the cache).
+        max_length: the most tokens one request may hold (prompt + generated - 1).
+        num_pages: pages in the pool shared by all rows.
+        page_size: tokens per page (a power of two).
+        chunk_size: C, prompt tokens a row prefills per step.
+        prefix_cache: index full prompt pages and reuse them across requests.
+        cache_dtype: key/value dtype (default: the model's).
+        bits: None for float pages, 8 or 4 for quantized pages.
+
+    Raises:
+        TypeError: ``model`` is not an ``nnx.Module``.
+        ValueError: bad sizes; a pool that cannot hold one request of ``max_length``.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        max_rows: int,
+        max_length: int,
+        num_pages: int,
+        page_size: int = 16,
+        chunk_size: int = 64,
+        prefix_cache: bool = True,
+        cache_dtype: Any = None,
+        bits: int | None = None,
+    ):
+        who = "PagedEngine"
+        check_model(model, who)
+        self.max_rows = check_positive_int(max_rows, "max_rows", who)
+        self.max_length = check_positive_int(max_length, "max_length", who)
+        self.num_pages = check_positive_int(num_pages, "num_pages", who)
+        self.page_size = check_positive_int(page_size, "page_size", who)
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size", who)
+        if num_pages < -(-max_length // page_size) + 1:
+            raise ValueError(
+                f"{who}: num_pages={num_pages} cannot hold one request of max_length={max_length} "
+                f"({-(-max_length // page_size)} pages of {page_size}) plus one page; allocate more pages."
+            )
+        self._vocab_size = model_vocab_size(model)
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = model.init_cache(
+            self.max_rows, self.max_length, dtype=cache_dtype, kind="paged" if bits is None else "paged-quantized",
+            bits=bits or 8, page_size=self.page_size, num_pages=self.num_pages,
+        )
+        self.max_pages = self._cache.max_pages
+        self.prefix = PrefixIndex(self.page_size) if prefix_cache else None
+        self._traces_before = collections.Counter(_TRACES)
+        self._step = partial(_step_program, self._graphdef)
+        self._admit = _admit_program
+        self._pin = _pin_program
+        self.stats: dict[str, float] = {}
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        """Step programs traced (compiled) since this engine was built: ``{"step1": decode,
+        "step<C>": mixed}``; an engine over the same model and sizes as an earlier one
+        reuses its programs (0)."""
+        return {k: v - self._traces_before[k] for k, v in _TRACES.items() if v - self._traces_before[k]}
+
+    # ---- checks
+
+    def _check(self, request: EngineRequest, index: int, who: str) -> None:
+        if len(request.prompt) < 1:
+            raise ValueError(f"{who}: request {index} has an empty prompt; it needs at least one token")
+        check_token_ids(request.prompt, self._vocab_size, who, name=f"requests[{index}].prompt")
+        check_positive_int(request.max_new_tokens, "max_new_tokens", who)
+        need = len(request.prompt) + request.max_new_tokens - 1
+        if need > self.max_length:
+            raise ValueError(
+                f"{who}: request {index} needs {need} tokens (prompt {len(request.prompt)} + max_new_tokens "
+                f"{request.max_new_tokens} - 1) but max_length is {self.max_length}; raise max_length or shorten it."
+            )
+        t = request.temperature
+        if not (isinstance(t, (int, float)) and np.isfinite(t) and t >= 0):
+            raise ValueError(f"{who}: request {index} temperature must be a finite number >= 0, got {t!r}")
+        p = request.top_p
+        if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise ValueError(f"{who}: request {index} top_p must be in (0, 1] or None, got {p!r}")
+        check_token_ids(list(request.stop_token_ids), self._vocab_size, who, name=f"requests[{index}].stop_token_ids")
+
+    # ---- the loop
+
+    def run(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Serves ``requests`` to completion; results in request order (see :meth:`stream`)."""
+        results: dict[int, EngineResult] = {}
+        for event in self._serve(requests):
+            if isinstance(event, _Done):
+                results[event.index] = event.result
+        return [results[i] for i in range(len(requests))]
+
+    def stream(self, requests: Sequence[EngineRequest]) -> Iterator[tuple[Any, int]]:
+        """Serves ``requests``, yielding ``(request id, token)`` as each token is produced."""
+        for event in self._serve(requests):
+            if isinstance(event, tuple):
+                yield event
+
+    def _serve(self, requests: Sequence[EngineRequest]):
+        who = "PagedEngine.run"
+        for index, request in enumerate(requests):
+            self._check(request, index, who)
+        ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
+        pending = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
+        waiting: collections.deque[int] = collections.deque()
+        rows: list[_Running | None] = [None] * self.max_rows
+        generated: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+        preempted = collections.Counter()
+        first_step: dict[int, int] = {}
+        cached_of: dict[int, int] = {}
+        admitted_at: dict[int, int] = {}
+        in_flight: set[bytes] = set()  # chain keys some row is writing now
+        finished = 0
+        step = 0
+        free = self._cache.free_pages
+        ps, c, r_rows = self.page_size, self.chunk_size, self.max_rows
+        row_len = [0] * r_rows  # tokens each row holds (host mirror of the cache's lengths)
+        counters = collections.Counter()
+        start = time.perf_counter()
+
+        def pages_for(n: int) -> int:
+            return -(-n // ps)
+
+        def evict(wanted: int) -> int:
+            """Unpins least recently used index pages until ``wanted`` are free; returns free."""
+            nonlocal free
+            if self.prefix is None or free >= wanted:
+                return free
+            refcount = np.asarray(self._cache.refcount)
+            drop = []
+            for key, page in self.prefix.evictable(refcount):
+                if free + len(drop) >= wanted:
+                    break
+                self.prefix.remove(key)
+                drop.append(page)
+            if drop:
+                self._cache = self._pin(self._cache, self._pad_pages(drop), delta=-1)
+                free += len(drop)
+                counters["evicted_pages"] += len(drop)
+            return free
+
+        def release_row(row: int) -> None:
+            nonlocal free
+            run = rows[row]
+            for key in run.keys[run.indexed:]:
+                in_flight.discard(key)
+            rows[row] = None
+            self._cache = self._admit(self._cache, *self._admission_arrays([(row, [], 0)]))
+            free = self._cache.free_pages
+            row_len[row] = 0
+
+        while finished < len(requests):
+            while pending and requests[pending[0]].arrival <= step:
+                waiting.append(pending.pop(0))
+
+            # ---- admission: rows and pages permitting, in order; wait for in-flight prefixes
+            admitted, deferred = [], collections.deque()
+            while waiting and None in rows:
+                i = waiting.popleft()
+                request = requests[i]
+                prompt = list(request.prompt) + generated[i]
+                # Keep the last token out of the cache lookup: its logits start generation.
+                keys = self.prefix.keys_of(prompt[:-1]) if self.prefix is not None else []
+                hit = self.prefix.lookup(keys) if self.prefix is not None else []
+                if len(hit) < len(keys) and keys[len(hit)] in in_flight:
+                    deferred.append(i)  # another row is writing that page: reuse it next step
+                    continue
+                need = pages_for(len(prompt) + 1) - len(hit)
+                # Pages the running prefills will still take are spoken for.
+                reserved = sum(
+                    pages_for(len(run.prompt) + 1) - pages_for(row_len[j])
+                    for j, run in enumerate(rows) if run is not None and run.written < len(run.prompt)
+                )
+                if evict(need + reserved) < need + reserved:
+                    waiting.appendleft(i)
+                    break
+                row = rows.index(None)
+                rows[row] = _Running(i, request, step, prompt, len(hit) * ps, len(hit) * ps, keys, len(hit))
+                admitted.append((row, hit, len(hit) * ps))
+                admitted_at.setdefault(i, step)
+                cached_of.setdefault(i, len(hit) * ps)
+                row_len[row] = len(hit) * ps
+                for key in keys[len(hit):]:
+                    in_flight.add(key)
+            waiting.extendleft(reversed(deferred))
+            if admitted:
+                self._cache = self._admit(self._cache, *self._admission_arrays(admitted))
+                for row, _, n in admitted:
+                    row_len[row] = n
+                free = self._cache.free_pages
+                counters["cached_tokens"] += sum(n for _, _, n in admitted)
+
+            active = [row for row in range(r_rows) if rows[row] is not None]
+            if not active:
+                if not waiting and not pending:
+                    break
+                step += 1
+                continue
+
+            # ---- what each row brings this step
+            prefilling = any(rows[row].written < len(rows[row].prompt) for row in active)
+            width = c if prefilling else 1
+            take = {}
+            for row in active:
+                run = rows[row]
+                left = len(run.prompt) - run.written
+                take[row] = min(left, width) if left > 0 else 1
+            # Pages this step will take; preempt the youngest until they fit.
+            while True:
+                need = sum(pages_for(row_len[row] + take[row]) - pages_for(row_len[row]) for row in take)
+                if evict(need) >= need or len(take) == 1:
+                    break
+                victim = max(take, key=lambda row: (rows[row].admitted_step, row))
+                i = rows[victim].index
+                preempted[i] += 1
+                counters["preemptions"] += 1
+                release_row(victim)
+                waiting.appendleft(i)
+                del take[victim]
+                active.remove(victim)
+
+            tokens = np.zeros((r_rows, width), np.int32)
+            num_new = np.zeros((r_rows,), np.int32)
+            temperature = np.zeros((r_rows,), np.float32)
+            top_p = np.ones((r_rows,), np.float32)
+            seeds = np.zeros((r_rows,), np.uint32)
+            index = np.zeros((r_rows,), np.int32)
+            for row, k in take.items():
+                run = rows[row]
+                req = run.request
+                if run.written < len(run.prompt):
+                    tokens[row, :k] = run.prompt[run.written : run.written + k]
+                else:
+                    tokens[row, 0] = generated[run.index][-1]
+                num_new[row] = k
+                temperature[row] = req.temperature
+                top_p[row] = 1.0 if req.top_p is None else req.top_p
+                seeds[row] = np.uint32(req.seed % 2**32)
+                index[row] = len(generated[run.index])
+            sampled, free_now, self._cache = self._step(
+                self._state, self._cache, tokens, num_new, temperature, top_p, seeds, index
+            )
+            sampled = np.asarray(sampled)
+            free = int(free_now)
+            counters["forward_tokens"] += int(num_new.sum())
+            counters["forward_calls"] += 1
+
+            for row, k in take.items():
+                run = rows[row]
+                row_len[row] += k
+                i = run.index
+                if run.written < len(run.prompt):
+                    run.written += k
+                    counters["prefill_tokens"] += k
+                    self._offer_pages(run, row, in_flight)
+                    if run.written < len(run.prompt):
+                        continue  # more prompt to go
+                # A token: the first after the prompt, or the next one.
+                token = int(sampled[row])
+                generated[i].append(token)
+                first_step.setdefault(i, step)
+                yield (ids[i], token)
+                reason = None
+                if token in run.request.stop_token_ids:
+                    reason = "stop"
+                elif len(generated[i]) >= run.request.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    result = EngineResult(
+                        ids[i], tuple(generated[i]), reason, cached_of[i], preempted[i], admitted_at[i],
+                        first_step[i], step,
+                    )
+                    release_row(row)
+                    finished += 1
+                    yield _Done(i, result)
+            step += 1
+
+        wall = time.perf_counter() - start
+        total = sum(len(g) for g in generated.values())
+        self.stats = dict(
+            steps=step, wall_s=wall, generated_tokens=total, tokens_per_s=total / wall if wall > 0 else float("inf"),
+            **counters,
+        )
+
+    # ---- helpers
+
+    def _offer_pages(self, run: _Running, row: int, in_flight: set) -> None:
+        """Indexes the prompt pages this row has completed (pinning them)."""
+        if self.prefix is None:
+            return
+        full = min(run.written // self.page_size, len(run.keys))
+        if full <= run.indexed:
+            return
+        table = np.asarray(self._cache.block_table[row])
+        pin = []
+        for j in range(run.indexed, full):
+            in_flight.discard(run.keys[j])
+            if self.prefix.insert(run.keys[j], int(table[j])):
+                pin.append(int(table[j]))
+        run.indexed = full
+        if pin:
+            self._cache = self._pin(self._cache, self._pad_pages(pin), delta=1)
+
+    def _pad_pages(self, pages: list[int]) -> jax.Array:
+        # A few fixed sizes so pinning compiles a handful of programs, not one per count.
+        size = max(8, 1 << (len(pages) - 1).bit_length())
+        return jnp.asarray(pages + [NO_PAGE] * (size - len(pages)), jnp.int32)
+
+    def _admission_arrays(self, admitted: list[tuple[int, list[int], int]]):
+        n = self.max_rows  # one program: every admission is padded to R entries
+        rows = np.full((n,), self.max_rows, np.int32)
+        pages = np.full((n, self.max_pages), NO_PAGE, np.int32)
+        num_tokens = np.zeros((n,), np.int32)
+        for j, (row, hit, count) in enumerate(admitted):
+            rows[j], num_tokens[j] = row, count
+            pages[j, : len(hit)] = hit
+        return jnp.asarray(rows), jnp.asarray(pages), jnp.asarray(num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    index: int
+    result: EngineResult
