@@ -16,6 +16,7 @@ import pytest
 
 from jaxkv.attention import attend_view, pallas_attend_view
 from jaxkv.attention import pallas_gpu
+from jaxkv.caches.quantized import QuantizedCache
 from jaxkv.caches.views import ContiguousView, LayerView, QuantizedView
 from reference import numpy_attention
 
@@ -330,6 +331,37 @@ def test_forced_dispatch_takes_the_kernel_with_a_traced_layer(monkeypatch):
     monkeypatch.setenv(pallas_gpu.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="JAXKV_PALLAS_GPU must be 'auto', '1' or '0'"):
         program(*args)
+
+
+def test_a_quantized_cache_after_crop_and_ragged_writes(monkeypatch):
+    """The view a real QuantizedCache hands over (int4, residual ring after a crop and
+    ragged writes, a layer index traced under jit) gives, through attend_view, the
+    attention over what it stands for."""
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    rng = np.random.default_rng(3)
+    prefill, steps = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                      for shape in ((2, HEADS, 20, DIM), (1, 2, HEADS, 2, DIM)))
+    q = jnp.asarray(rng.standard_normal((2, 2 * HEADS, 2, DIM)), jnp.float32)
+
+    def scenario(prefill, steps, q, layer):  # one program: eager cache ops would compile one each
+        cache = QuantizedCache.init(num_layers=2, batch_size=2, num_kv_heads=HEADS, head_dim=DIM, max_length=SLOTS,
+                                    bits=4, residual_length=4)
+        cache, _ = cache.write(prefill, prefill + 1.0, layer, num_new=jnp.array([20, 13]))
+        cache = cache.crop(jnp.array([17, 13]))
+        for keys in steps:
+            positions = cache.positions(2, layer, batch_size=2)
+            cache, view = cache.write(keys, 0.5 * keys, layer, num_new=jnp.array([2, 1]))
+        assert isinstance(view, QuantizedView)
+        dense = view.dense()  # dequantized, residual tokens in place
+        out = attend_view(q, view, q_positions=positions, sliding_window=9)
+        return out, dense.keys, dense.values, positions, view.lengths
+
+    options = pallas_gpu._INTERPRET_COMPILER_OPTIONS if INTERPRET else None
+    traced = jax.jit(scenario, compiler_options=options).trace(prefill, steps, q, jnp.int32(1))
+    assert "pallas_call" in str(traced.jaxpr)
+    got, keys, values, positions, lengths = traced.lower().compile()(prefill, steps, q, jnp.int32(1))
+    want = contract_reference(q, keys, values, positions, lengths, 9)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 def test_what_the_kernels_do_not_take():
