@@ -59,7 +59,7 @@ def attend_view(
       block as it is read (never the whole layer), with the exact residual tokens patched in.
     * :class:`~jaxkv.caches.PagedView` (PagedCache): the same loop, each block's pages
       gathered through the row's block table (dequantized for int8/int4 pages).
-    * On a GPU, contiguous and quantized views go to the Pallas split-K kernels of
+    * On a GPU, contiguous, quantized and paged views go to the Pallas split-K kernels of
       :mod:`jaxkv.attention.pallas_gpu` where they apply (``JAXKV_PALLAS_GPU``: ``auto``,
       ``1`` forces them, in interpret mode off a GPU; ``0`` turns them off).
     * :class:`~jaxkv.caches.LayerView` (rings, DynamicCache, encoder states): dense

@@ -30,6 +30,9 @@ slots in one launch, as flash decoding does:
   kernel. Slots whose position a used residual slot holds are skipped in the kernel; the
   residual's exact tokens (``R`` slots) are attended densely in XLA and merged as one more
   split, so every position is counted exactly once, residual copy first.
+* **Paged** (:class:`~jaxkv.caches.PagedView`): a block is one page (the page size is the
+  block size); the program looks the page of each block up in the row's block table and
+  reads it from the pool where it lies, float or int8/int4 as above.
 * **LayerView** (rings, DynamicCache, encoder states) keeps the dense :func:`attend` path:
   a ring holds at most its window (O(window) whatever the context), a DynamicCache's
   arrays hold exactly its tokens, so no capacity is wasted there and a dense masked
@@ -49,10 +52,11 @@ non-finite key scale gives one) or a non-finite value element (a non-finite valu
 the query's whole output row is NaN (the split marks its ``l`` NaN and the merge spreads
 it); otherwise the usual softmax; a query that sees nothing gets zeros.
 
-What applies (:func:`unsupported_reason`): :class:`~jaxkv.caches.ContiguousView` and
-:class:`~jaxkv.caches.QuantizedView`, at most 16 queries per row, float32/bfloat16/float16
-queries and cache, head dim a power of two >= 16 (>= 32 for int4), capacity a multiple of
-16, ``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
+What applies (:func:`unsupported_reason`): :class:`~jaxkv.caches.ContiguousView`,
+:class:`~jaxkv.caches.QuantizedView` and :class:`~jaxkv.caches.PagedView` (pages of a power
+of two >= 16 tokens), at most 16 queries per row, float32/bfloat16/float16 queries and
+cache, head dim a power of two >= 16 (>= 32 for int4), capacity a multiple of 16,
+``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
 default device is a GPU (``JAXKV_PALLAS_GPU=1`` forces them wherever they apply, in
 interpret mode off a GPU; ``=0`` turns them off). On CPU they run in Pallas interpret mode
 (``tests/test_pallas_gpu.py``: the float64 reference and the contract); GPU figures come
@@ -60,9 +64,8 @@ from ``benchmarks/bench_device.py``.
 
 Not done yet: the kernels have no partitioning rule, so over a cache sharded across several
 GPUs XLA would gather each layer onto every device before the call (set
-``JAXKV_PALLAS_GPU=0`` there, or call them per shard under ``shard_map``); paged views
-(:class:`~jaxkv.caches.PagedView`) keep the blockwise loop. Derivatives come from the XLA
-loop (``custom_jvp``), which computes the same function.
+``JAXKV_PALLAS_GPU=0`` there, or call them per shard under ``shard_map``). Derivatives come
+from the XLA loop (``custom_jvp``), which computes the same function.
 
 Shapes: B rows, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim,
 M = G * T padded, BK slots per block, NS splits, R residual slots.
@@ -80,8 +83,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.blockwise import _default_platform, blockwise_attend, quantized_blockwise_attend
-from jaxkv.caches.views import ContiguousView, QuantizedView
+from jaxkv.attention.blockwise import (
+    _default_platform,
+    blockwise_attend,
+    paged_blockwise_attend,
+    quantized_blockwise_attend,
+)
+from jaxkv.caches.views import ContiguousView, PagedView, QuantizedView
 
 __all__ = ["ENV_VAR", "interpret_default", "pallas_attend_view", "unsupported_reason", "use_pallas"]
 
@@ -116,13 +124,19 @@ def interpret_default() -> bool:
 
 def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
     """Why the kernels cannot take these inputs, or None when they can."""
-    if not isinstance(view, (ContiguousView, QuantizedView)):
+    if not isinstance(view, (ContiguousView, QuantizedView, PagedView)):
         return (f"{type(view).__name__} is attended densely (a ring holds O(window) slots, a "
-                "dynamic cache exactly its tokens); the kernels take contiguous and quantized views")
+                "dynamic cache exactly its tokens); the kernels take contiguous, quantized and paged views")
     if queries.ndim != 4:
         return f"queries must be [B, Hq, T, D], got shape {queries.shape}"
     batch, num_q_heads, num_tokens, head_dim = queries.shape
-    _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
+    num_kv_heads, stored = view.keys.shape[2], view.keys.shape[4]
+    if isinstance(view, PagedView):
+        kv_batch, num_slots, page_size = view.block_table.shape[0], view.num_slots, view.keys.shape[3]
+        if page_size < 16 or page_size & (page_size - 1):
+            return f"page size {page_size}; the kernels read one page per block: a power of two >= 16"
+    else:
+        kv_batch, num_slots = view.keys.shape[1], view.keys.shape[3]
     if kv_batch != batch or num_q_heads % num_kv_heads:
         return f"queries {queries.shape} do not fit the cache {view.keys.shape} (same B; Hq a multiple of H)"
     if num_tokens > MAX_QUERIES:
@@ -136,10 +150,12 @@ def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
         return f"head_dim {head_dim}; the kernels take powers of two >= 16 (Triton tiles)"
     if num_slots % 16:
         return f"capacity {num_slots}; the kernels take multiples of 16"
-    if isinstance(view, QuantizedView):
+    quantized = isinstance(view, QuantizedView) or (isinstance(view, PagedView) and view.bits is not None)
+    if quantized:
         if view.bits not in (4, 8):
             return f"{view.bits}-bit codes; the kernels take 8 and 4"
-        if stored != (head_dim if view.bits == 8 else head_dim // 2) or view.residual_keys.shape[-1] != head_dim:
+        residual_dim = view.residual_keys.shape[-1] if isinstance(view, QuantizedView) else head_dim
+        if stored != (head_dim if view.bits == 8 else head_dim // 2) or residual_dim != head_dim:
             return f"codes {view.keys.shape} do not fit head_dim {head_dim} at {view.bits} bits"
         if view.bits == 4 and head_dim < 32:
             return "int4 with head_dim < 32 (each half-width product needs 16)"
@@ -152,7 +168,7 @@ def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
 
 def pallas_attend_view(
     queries: jax.Array,  # [B, Hq, T, D]
-    view: Any,  # ContiguousView or QuantizedView
+    view: Any,  # ContiguousView, QuantizedView or PagedView
     *,
     q_positions: jax.Array,  # [B, T] int
     sliding_window: int | None = None,
@@ -170,7 +186,8 @@ def pallas_attend_view(
 
     Args:
         queries: [B, Hq, T, D] position-encoded queries.
-        view: a :class:`~jaxkv.caches.ContiguousView` or :class:`~jaxkv.caches.QuantizedView`.
+        view: a :class:`~jaxkv.caches.ContiguousView`, :class:`~jaxkv.caches.QuantizedView` or
+            :class:`~jaxkv.caches.PagedView`.
         q_positions: [B, T] absolute query positions.
         sliding_window: optional window W (a query at p sees positions > p - W).
         logit_softcap: optional soft cap c > 0.
@@ -180,7 +197,7 @@ def pallas_attend_view(
         num_splits: NS, splits of each row's range (default: enough programs to fill a GPU,
             at most one per block of the capacity).
         block_k: BK, slots per block (default 64, or the largest power of two dividing the
-            capacity below that; at least 16).
+            capacity below that; at least 16). A paged view's block is its page.
 
     Returns:
         [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
@@ -198,15 +215,19 @@ def pallas_attend_view(
     if why is not None:
         raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
     batch, num_q_heads, num_tokens, head_dim = queries.shape
-    num_slots = view.keys.shape[3]
+    paged = isinstance(view, PagedView)
+    num_slots = view.num_slots if paged else view.keys.shape[3]
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"pallas_attend_view: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"pallas_attend_view: logit_softcap must be positive or None, got {logit_softcap!r}.")
+    if paged and block_k not in (None, view.page_size):
+        raise ValueError(f"pallas_attend_view: a paged view is read one page per block: block_k must be None or the "
+                         f"page size {view.page_size}, got {block_k!r}.")
     if block_k is None:
-        block_k = 64
+        block_k = view.page_size if paged else 64
         while num_slots % block_k:
             block_k //= 2
     if not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1) or num_slots % block_k:
@@ -244,6 +265,11 @@ def pallas_attend_view(
 
 
 def _kernel_path(queries, view, q_positions, options, floats, **static):
+    if isinstance(view, PagedView):
+        return _run(_paged, static["interpret"])(
+            queries, view.keys, view.values, view.key_scales, view.value_scales, view.block_table, view.layer,
+            view.lengths, q_positions, options, floats, bits=view.bits, kv_dtype=jnp.dtype(view.dtype),
+            scale_dtype=None if view.bits is None else jnp.dtype(view.scale_dtype), **static)
     if isinstance(view, ContiguousView):
         return _run(_contiguous, static["interpret"])(
             queries, view.keys, view.values, view.layer, view.lengths, q_positions, options, floats,
@@ -262,6 +288,8 @@ def _xla_path(queries, view, q_positions, sliding_window, logit_softcap, scale):
     if isinstance(view, ContiguousView):
         return blockwise_attend(queries, view.keys, view.values, layer_idx=view.layer, kv_lengths=view.lengths,
                                 implementation="xla", kv_dtype=view.dtype, **options)
+    if isinstance(view, PagedView):
+        return paged_blockwise_attend(queries, view, **options)
     return quantized_blockwise_attend(queries, view, **options)
 
 
@@ -273,12 +301,13 @@ def _split_kernel(
     floats_ref,  # f32[2]: logit scale, soft cap (0: none)
     bounds_ref,  # int32[B, 8]: length, lo, hi, residual lo, residual hi (per row)
     qpos_ref,  # int32[B, M]: position of each query row (-1: padding, sees nothing)
-    rpos_ref,  # int32[B, R']: positions the residual holds (-1: none); unused when not quantized
+    rpos_ref,  # int32[B, R']: positions the residual holds (-1: none); read only with a residual
+    table_ref,  # int32[B, S / BK]: paged: the page of each block of the row (-1: none); else unread
     q_ref,  # [M, D] this (b, h)'s query tile (int4: [even half | odd half])
-    k_ref,  # [L, B, H, S, D'] stacked keys as stored
-    v_ref,  # [L, B, H, S, D']
-    ks_ref,  # [L, B, H, S] key scales as stored; unused when not quantized
-    vs_ref,  # [L, B, H, S]
+    k_ref,  # [L, B, H, S, D'] stacked keys as stored (paged: the pool [L, P, H, BK, D'])
+    v_ref,  # [L, B, H, S, D'] (paged: [L, P, H, BK, D'])
+    ks_ref,  # [L, B, H, S] key scales as stored (paged: [L, P, H, BK]); read only when quantized
+    vs_ref,  # [L, B, H, S] (paged: [L, P, H, BK])
     acc_ref,  # out [M, D] float32
     m_ref,  # out [M] float32
     l_ref,  # out [M] float32 (NaN: a visible slot was non-finite)
@@ -291,6 +320,7 @@ def _split_kernel(
     bits: int | None,
     scale_dtype: Any,
     residual: bool,
+    paged: bool,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = ints_ref[0], ints_ref[1]
@@ -314,7 +344,10 @@ def _split_kernel(
     def load_block(off):
         """Keys and values of slots [off, off + BK) as products' operands, their scales, and
         which value rows are non-finite."""
-        at = (layer, b, h, pl.ds(off, block_k))
+        if paged:  # a block is one page, found through the row's block table
+            at = (layer, jnp.maximum(table_ref[b, off // block_k], 0), h, pl.ds(0, block_k))
+        else:
+            at = (layer, b, h, pl.ds(off, block_k))
         keys, values = k_ref[(*at, slice(None))], v_ref[(*at, slice(None))]
         if bits is None:
             keys, values = (x if x.dtype == stored_dtype else jax.lax.bitcast_convert_type(x, stored_dtype)
@@ -430,7 +463,7 @@ def _row_bounds(q_positions, lengths, window, num_slots, block_k, extra=()):
     return jnp.stack(columns + [zeros] * (8 - len(columns)), axis=1).astype(jnp.int32)
 
 
-def _call_kernel(q, qpos, bounds, rpos, ints, floats, keys, values, key_scales, value_scales, *, num_splits,
+def _call_kernel(q, qpos, bounds, rpos, table, ints, floats, keys, values, key_scales, value_scales, *, num_splits,
                  block_k, interpret, **kernel_static):
     batch, num_kv_heads, rows, width = q.shape
     kernel = functools.partial(_split_kernel, num_splits=num_splits, block_k=block_k, **kernel_static)
@@ -443,13 +476,13 @@ def _call_kernel(q, qpos, bounds, rpos, ints, floats, keys, values, key_scales, 
     return pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
-        in_specs=[whole] * 5 + [tile] + [whole] * 4,
+        in_specs=[whole] * 6 + [tile] + [whole] * 4,
         out_specs=[out_tile, out_row, out_row],
         out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, width), jnp.float32), stats, stats],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_split_decode",
-    )(ints, floats, bounds, qpos, rpos, q, keys, values, key_scales, value_scales)
+    )(ints, floats, bounds, qpos, rpos, table, q, keys, values, key_scales, value_scales)
 
 
 def _merge(acc, running_max, running_sum):
@@ -480,9 +513,9 @@ def _contiguous(queries, keys, values, layer, lengths, q_positions, options, flo
     bounds = _row_bounds(q_positions, lengths, options[0], num_slots, block_k)
     none = jnp.zeros((1,), jnp.int32)
     acc, running_max, running_sum = _call_kernel(
-        q, qpos, bounds, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
+        q, qpos, bounds, none, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
         num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
-        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False,
+        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False,
     )
     return _finish(_merge(acc, running_max, running_sum), queries, used)
 
@@ -523,14 +556,12 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
     else:
         extra, rpos = (), jnp.zeros((1,), jnp.int32)
     bounds = _row_bounds(q_positions, lengths, options[0], num_slots, block_k, extra)
-    head_dim = q.shape[-1]
-    # int4: the kernel's products run over even, then odd head-dim elements.
-    order = jnp.concatenate([jnp.arange(0, head_dim, 2), jnp.arange(1, head_dim, 2)]) if bits == 4 else None
+    order = _int4_order(q.shape[-1]) if bits == 4 else None
     acc, running_max, running_sum = _call_kernel(
-        q if order is None else q[..., order], qpos, bounds, rpos, jnp.concatenate([layer[None], options]), floats,
-        keys, values, key_scales, value_scales, num_splits=num_splits, block_k=block_k, interpret=interpret,
-        compute_dtype=compute, value_dtype=kv_dtype, stored_dtype=None, bits=bits, scale_dtype=scale_dtype,
-        residual=bool(num_residual),
+        q if order is None else q[..., order], qpos, bounds, rpos, jnp.zeros((1,), jnp.int32),
+        jnp.concatenate([layer[None], options]), floats, keys, values, key_scales, value_scales,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        stored_dtype=None, bits=bits, scale_dtype=scale_dtype, residual=bool(num_residual), paged=False,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
@@ -540,3 +571,28 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
         acc, running_max, running_sum = (jnp.concatenate([x, y], axis=2)
                                          for x, y in zip((acc, running_max, running_sum), parts))
     return _finish(_merge(acc, running_max, running_sum), queries, used)
+
+
+def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, lengths, q_positions, options, floats,
+           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret):
+    num_kv_heads, num_slots = keys.shape[2], block_table.shape[1] * block_k
+    compute = _compute_dtype(queries, kv_dtype)
+    q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
+    bounds = _row_bounds(q_positions, lengths, options[0], num_slots, block_k)
+    order = _int4_order(q.shape[-1]) if bits == 4 else None
+    if bits is None:  # float pages have no scales ([L, P, H, 0]); the kernel reads none
+        key_scales = value_scales = jnp.zeros((1,), jnp.float32)
+    acc, running_max, running_sum = _call_kernel(
+        q if order is None else q[..., order], qpos, bounds, jnp.zeros((1,), jnp.int32), block_table.astype(jnp.int32),
+        jnp.concatenate([layer[None], options]), floats, keys, values, key_scales, value_scales,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True,
+    )
+    if order is not None:
+        acc = acc[..., jnp.argsort(order)]
+    return _finish(_merge(acc, running_max, running_sum), queries, used)
+
+
+def _int4_order(head_dim):
+    """int4 keeps its packing: the kernel's products run over even, then odd elements."""
+    return jnp.concatenate([jnp.arange(0, head_dim, 2), jnp.arange(1, head_dim, 2)])
