@@ -3,7 +3,9 @@
 Head dims with and without the vector path, query groups that do and do not fill its
 groups of four, several tokens per row, windows, soft caps, bf16, fills large enough to be
 split across threads and merged, and the program it makes (one custom call reading the
-cache in place, no copies). The fallback without a compiler runs in subprocesses.
+cache in place, no copies). The paged target reads the same from a page pool through a
+block table (pages shuffled; NaN in unused slots, in pages no row holds and in other
+layers). The fallback without a compiler runs in subprocesses.
 """
 
 import os
@@ -17,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import StaticCache, _kernels
+from jaxkv import PagedCache, StaticCache, _kernels
 from jaxkv.attention import cache_attention
-from jaxkv.attention.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend
+from jaxkv.caches._bits import stored_dtype, to_bits
+from jaxkv.caches.views import PagedView
 from reference import make_inputs, numpy_attention
 
 # Skipped only where there is no C++ compiler at all; with one, a failed build fails here.
@@ -216,6 +220,117 @@ def test_what_the_kernel_does_not_take():
     with pytest.raises(ValueError, match="float16"):
         blockwise_attend(q[:, :, :1].astype(jnp.float16), k.astype(jnp.float16), k.astype(jnp.float16),
                          q_positions=kw["q_positions"][:, :1], kv_lengths=kw["kv_lengths"], implementation="kernel")
+
+
+def to_pages(keys, values, kv_len, page_size, *, layers=1, layer=0, spare=3, seed=0, fill=np.nan):
+    """Contiguous [B, H, S, D] keys/values laid out as a page pool [L, P, H, ps, D] and a
+    block table [B, M]: each block holding a filled slot gets a page, in shuffled order;
+    blocks past the fill get -1. ``spare`` pages no row holds, and the other layers, hold
+    ``fill``; slots past the fill inside a held page keep what the inputs had there."""
+    keys, values = np.asarray(keys), np.asarray(values)
+    batch, heads, slots, dim = keys.shape
+    blocks = -(-slots // page_size)
+    held = np.arange(blocks)[None, :] * page_size < np.asarray(kv_len)[:, None]  # [B, M]
+    num_pages = int(held.sum()) + spare
+    table = np.full((batch, blocks), -1, np.int32)
+    table[held] = np.random.default_rng(seed).permutation(num_pages)[: held.sum()]
+    pools = []
+    for x in (keys, values):
+        x = np.pad(x, ((0, 0), (0, 0), (0, blocks * page_size - slots), (0, 0)), constant_values=fill)
+        pages = x.reshape(batch, heads, blocks, page_size, dim).transpose(0, 2, 1, 3, 4)  # [B, M, H, ps, D]
+        pool = np.full((layers, num_pages, heads, page_size, dim), fill, x.dtype)
+        pool[layer, table[held]] = pages[held]
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def paged_view(pool_keys, pool_values, table, kv_len, layer, dtype):
+    """A PagedView of float pages, stored as PagedCache stores them (16-bit floats as bits)."""
+    keys, values = (to_bits(jnp.asarray(x), dtype) for x in (pool_keys, pool_values))
+    scales = jnp.zeros(keys.shape[:4][:-1] + (0,), stored_dtype(jnp.bfloat16))
+    return PagedView(keys, values, scales, scales, jnp.asarray(table), layer, jnp.asarray(kv_len, jnp.int32), None,
+                     jnp.dtype(dtype), jnp.dtype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "dim, groups, tokens, window, softcap, dtype",
+    [
+        (64, 4, 1, None, None, jnp.float32),  # a decode step, four query heads per kv head
+        (128, 2, 4, 7, 4.0, jnp.float32),  # four queries, a window, a soft cap
+        (24, 3, 4, None, None, jnp.float32),  # the scalar loops
+        (64, 2, 4, 40, None, jnp.bfloat16),
+        (32, 1, 1, None, 3.0, jnp.bfloat16),
+    ],
+)
+def test_paged_kernel_matches_reference_and_the_xla_loop(dim, groups, tokens, window, softcap, dtype):
+    """Row 0 is long enough to be split across threads; row 1 ends inside a page, row 2 is
+    empty (no page at all), row 3 fills exactly one page. Layer 1 of 2 is read (traced)."""
+    kv_len = np.array([2500, 37, 0, 16])
+    q, k, v = make_inputs(dim + tokens, 4, 2 * groups, 2, tokens, 2512, dim, kv_len)
+    q, k, v = (np.asarray(jnp.asarray(x, dtype)) for x in (q, k, v))  # inputs as the cache holds them
+    q_pos = last_positions(kv_len, tokens)
+    pool_keys, pool_values, table = to_pages(k, v, kv_len, 16, layers=2, layer=1)
+    assert not np.isfinite(pool_keys[0]).any() and np.isnan(pool_keys[1]).any()  # the poison is there
+
+    @jax.jit
+    def run(q, pool_keys, pool_values, table, layer):
+        view = paged_view(pool_keys, pool_values, table, kv_len, layer, dtype)
+        return [paged_blockwise_attend(q, view, q_positions=jnp.asarray(q_pos, jnp.int32), sliding_window=window,
+                                       logit_softcap=softcap, implementation=impl) for impl in ("kernel", "xla")]
+
+    got, xla = run(jnp.asarray(q), pool_keys, pool_values, table, jnp.int32(1))
+    assert got.dtype == dtype
+    want = dense_reference(*(np.asarray(x, np.float64) for x in (q, k, v)), q_pos, kv_len, window, softcap)
+    # bf16: one rounding of the output (relative 2^-8) on top of f32 arithmetic.
+    tol = 2e-5 if dtype == jnp.float32 else 2**-8
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    # The XLA loop on the same view: at bf16 it rounds the softmax weights to bf16 before the
+    # value product, so it is held to its own bf16 tolerance (tests/test_blockwise.py).
+    xla_tol = tol if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(xla, np.float64), rtol=xla_tol, atol=xla_tol)
+    assert not np.asarray(got[2], np.float64).any()  # the empty row sees nothing: zeros
+
+
+def test_paged_decode_step_program_vmap_and_what_the_paged_kernel_does_not_take():
+    """A jitted, donated decode step over a PagedCache: one paged custom call per layer, reading
+    the pool in place; vmap over stacked queries equals one call per slice; int8 pages go to
+    the XLA loop ("auto") or are refused ("kernel")."""
+    cache = PagedCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=64, max_length=4096, num_pages=300)
+    kv = jnp.ones((2, 2, 1, 64))
+    q = jnp.ones((2, 8, 1, 64))
+
+    def step(cache, q, kv):
+        positions = cache.seq_lengths(0)[:, None]
+        for layer in range(2):
+            out, cache = cache_attention(q, kv, kv, cache, layer, positions=positions)
+            q = q + out
+            kv = kv + out[:, :2]
+        return q, cache
+
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, q, kv).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxkv_paged_decode_attention"' in line]
+    # Each reads the whole pool where it lies (operands of the pool's shape), no gathered pages.
+    assert len(calls) == 2 and all(line.count("f32[2,300,2,16,64]") == 2 for line in calls), calls
+    assert "conditional" not in hlo
+
+    kv_len = np.array([45, 20])
+    qs, k, v = make_inputs(5, 2, 4, 2, 1, 48, 16, kv_len)
+    qs = np.stack([qs, -2 * qs])
+    view = paged_view(*to_pages(k, v, kv_len, 16), kv_len, 0, jnp.float32)
+    q_pos = jnp.asarray(last_positions(kv_len, 1), jnp.int32)
+    attend_ = lambda q: paged_blockwise_attend(q, view, q_positions=q_pos, implementation="kernel")  # noqa: E731
+    batched = jax.jit(jax.vmap(attend_))(jnp.asarray(qs))
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(batched[i]), dense_reference(qs[i], k, v, q_pos, kv_len),
+                                   rtol=2e-5, atol=2e-5)
+
+    int8 = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=16, max_length=64, bits=8)
+    int8, _, _ = int8.update(jnp.asarray(k[:, :, :20]), jnp.asarray(v[:, :, :20]), 0)
+    int8_view = int8.stores[0].view(0, int8.lengths[0])
+    with pytest.raises(ValueError, match="int8 pages; the kernel reads float pages"):
+        paged_blockwise_attend(jnp.asarray(qs[0]), int8_view, q_positions=q_pos, implementation="kernel")
+    hlo = jax.jit(lambda q: paged_blockwise_attend(q, int8_view, q_positions=q_pos)).lower(jnp.asarray(qs[0])).as_text()
+    assert "jaxkv_paged_decode_attention" not in hlo
 
 
 def test_build_is_cached():

@@ -4,7 +4,9 @@
 Each batch row is one scenario: NaN, +inf or -inf in one element of a key or a value of
 kv head 0, at a slot every query sees, one in the queries' future (a chunk of three
 queries), one at a window's start (seen by the first query only), or an unfilled one. One
-program per implementation and setting covers all of them; kv head 1 stays finite.
+program per implementation and setting covers all of them; kv head 1 stays finite. The
+same rows laid out in shuffled pages (pages no row holds full of inf) run the paged kernel
+and the paged XLA loop.
 """
 
 import os
@@ -16,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import attend
-from jaxkv.attention.blockwise import blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend
+from test_kernel import paged_view, to_pages
 
 HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
 Q_HEADS, KV_HEADS, TOKENS, SLOTS, DIM = 4, 2, 3, 48, 16
@@ -136,3 +139,20 @@ def test_kernel_decode_step_split_into_pieces(dim):
     want = reference(q, keys, values, q_pos, kv_len)
     assert np.isnan(want[..., 0, 0]).tolist() == [[True] * 4, [False, False, True, True]]
     check(IMPLEMENTATIONS["kernel"](*map(jnp.asarray, (q, keys, values, q_pos, kv_len))), want)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (WINDOW, 5.0)])
+def test_paged_kernel_and_loop_follow_the_contract(window, softcap):
+    q, keys, values, q_pos, kv_len = scenarios()
+    want = reference(q, keys, values, q_pos, kv_len, window=window, softcap=softcap)
+    view = paged_view(*to_pages(keys, values, kv_len, 16, spare=2, fill=np.inf), kv_len, 0, jnp.float32)
+    for implementation, block_size in (("kernel", None), ("xla", 8)):  # 8: blocks inside a page
+        if implementation == "kernel" and not HAS_COMPILER:
+            continue
+        got = jax.jit(lambda q, p: paged_blockwise_attend(  # noqa: B023 - called at once
+            q, view, q_positions=p, sliding_window=window, logit_softcap=softcap, implementation=implementation,
+            block_size=block_size))(jnp.asarray(q), jnp.asarray(q_pos))
+        try:
+            check(got, want)
+        except AssertionError as err:
+            raise AssertionError(f"paged {implementation}: {err}") from None

@@ -1,9 +1,11 @@
 """Native kernels, built on first use with the machine's C++ compiler.
 
-``decode_attention.cc`` is an XLA:CPU FFI handler: decode attention that reads a stacked
-``StaticCache`` buffer in place (see its header comment and :mod:`jaxkv.attention.blockwise`). It is
-compiled once per (source, jaxlib, compiler, CPU) into a cache directory, loaded with
-ctypes and registered as the FFI target ``jaxkv_decode_attention`` for the CPU platform.
+``decode_attention.cc`` holds two XLA:CPU FFI handlers running the same loops: decode
+attention that reads a stacked ``StaticCache`` buffer in place, and the same over a
+``PagedCache`` pool read through the block table (see its header comment and
+:mod:`jaxkv.attention.blockwise`). It is compiled once per (source, jaxlib, compiler, CPU)
+into a cache directory, loaded with ctypes and registered as the FFI targets
+``jaxkv_decode_attention`` and ``jaxkv_paged_decode_attention`` for the CPU platform.
 
 Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_KERNEL=0``,
 :func:`available` is False and attention runs the pure-XLA blockwise loop (one warning says
@@ -28,9 +30,10 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["available", "build", "TARGET"]
+__all__ = ["available", "build", "PAGED_TARGET", "TARGET"]
 
 TARGET = "jaxkv_decode_attention"
+PAGED_TARGET = "jaxkv_paged_decode_attention"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 FLAGS = [
     "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
@@ -123,6 +126,9 @@ def available() -> bool:
             try:
                 library = ctypes.cdll.LoadLibrary(str(build()))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxkvDecodeAttention), platform="cpu")
+                jax.ffi.register_ffi_target(
+                    PAGED_TARGET, jax.ffi.pycapsule(library.JaxkvPagedDecodeAttention), platform="cpu"
+                )
                 _state["library"] = library
                 _state["ok"] = True
             except Exception as err:  # noqa: BLE001 - any failure means: use the XLA path

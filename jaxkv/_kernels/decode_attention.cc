@@ -1,4 +1,5 @@
-// Decode attention over a stacked StaticCache buffer, read in place: an XLA:CPU FFI kernel.
+// Decode attention over a stacked StaticCache buffer or a paged pool, read in place: an XLA:CPU
+// FFI kernel.
 //
 // XLA:CPU copies every dynamic-slice block out of the cache before it can feed a dot, so the
 // blockwise loop in jaxkv/attention/blockwise.py moves each cached byte twice and runs the copy on one
@@ -10,6 +11,13 @@
 // layer [] s32, q_pos [B, T] s32, kv_len [B] s32; out [B, Hq, T, D] in the dtype of q.
 // Slot s holds position s. A query at position p sees slot s when s < kv_len[b], s <= p and,
 // with a window W > 0, p - s < W. A query that sees nothing returns zeros.
+//
+// The paged target (JaxkvPagedDecodeAttention) takes a page pool keys/values [L, P, H, ps, D]
+// and one more operand, block_table [B, M] s32: slot s of row b lies in page
+// block_table[b, s / ps] at offset s % ps (ps a power of two; S = M * ps). Both targets run
+// the same loops; only where a slot's key and value rows lie differs (ContiguousRows,
+// PagedRows). A table entry outside [0, P) is read as the nearest page (-1 as page 0), as
+// XLA's gather does: only slots past a row's length should have one, and those are never read.
 //
 // Non-finite inputs (the contract of jaxkv.attention): a slot a query does not see never
 // affects it, whatever it holds. If a slot it sees has a non-finite raw logit (q.k scaled,
@@ -100,10 +108,43 @@ struct Problem {
   int64_t window;  // 0: none
   float softcap;   // 0: none
   const float* q;  // [B, Hq, T, D] scaled, as float
-  const void* keys;    // layer's [B, H, S, D] block of the stacked buffer
+  const void* keys;    // layer's [B, H, S, D] block of the stacked buffer, or its [P, H, ps, D] pages
   const void* values;
   const int32_t* q_pos;  // [B, T]
   const int32_t* kv_len; // [B]
+  const int32_t* table = nullptr;  // [B, M] pages of each row; null: contiguous
+  int64_t pages = 0, max_pages = 0, page_shift = 0;  // P, M, log2(ps)
+};
+
+// Where the key (or value) row of slot s of one (row, kv head) lies: slot s of the stacked
+// buffer's [S, D] block...
+template <typename KV>
+struct ContiguousRows {
+  const KV* base;
+  int64_t dim;
+  ContiguousRows(const Problem& pb, const void* buffer, int64_t row, int64_t head)
+      : base(static_cast<const KV*>(buffer) + (row * pb.kv_heads + head) * pb.slots * pb.head_dim), dim(pb.head_dim) {}
+  const KV* operator()(int64_t s) const { return base + s * dim; }
+};
+
+// ... or offset s % ps of page table[row, s / ps], the head's [ps, D] block of that page.
+template <typename KV>
+struct PagedRows {
+  const KV* base;  // the head's block in page 0
+  const int32_t* table;  // the row's M entries
+  int64_t page_stride, dim, mask, shift, last_page;
+  PagedRows(const Problem& pb, const void* pool, int64_t row, int64_t head)
+      : base(static_cast<const KV*>(pool) + (head << pb.page_shift) * pb.head_dim),
+        table(pb.table + row * pb.max_pages),
+        page_stride((pb.kv_heads << pb.page_shift) * pb.head_dim),
+        dim(pb.head_dim),
+        mask((int64_t(1) << pb.page_shift) - 1),
+        shift(pb.page_shift),
+        last_page(pb.pages - 1) {}
+  const KV* operator()(int64_t s) const {
+    const int64_t page = std::clamp<int64_t>(table[s >> shift], 0, last_page);
+    return base + page * page_stride + (s & mask) * dim;
+  }
 };
 
 struct Piece {
@@ -170,30 +211,28 @@ inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float s
   return correction;
 }
 
-// What a piece reads: its kv head's keys and values ([S, D] each), its queries ([G, T, D],
-// contiguous) and each query's visible range; the queries' states are reset in `part`.
-template <typename KV>
+// What a piece reads: its kv head's key and value rows (by slot, through `Rows`), its
+// queries ([G, T, D], contiguous) and each query's visible range; the queries' states are
+// reset in `part`.
+template <typename Rows>
 struct PieceView {
-  const KV* keys;
-  const KV* values;
+  Rows keys, values;
   const float* queries;
   std::vector<int64_t> lo, hi;
   PieceView(const Problem& pb, const Piece& pc, float* part)
-      : lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens) {
-    const int64_t head = pc.row * pb.kv_heads + pc.head;
-    keys = static_cast<const KV*>(pb.keys) + head * pb.slots * pb.head_dim;
-    values = static_cast<const KV*>(pb.values) + head * pb.slots * pb.head_dim;
-    queries = pb.q + head * pb.groups * pb.tokens * pb.head_dim;
+      : keys(pb, pb.keys, pc.row, pc.head), values(pb, pb.values, pc.row, pc.head),
+        queries(pb.q + (pc.row * pb.kv_heads + pc.head) * pb.groups * pb.tokens * pb.head_dim),
+        lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens) {
     visible_ranges(pb, pc, part, lo.data(), hi.data());
   }
 };
 
 // Any head dim: one query at a time, plain loops.
-template <typename KV>
+template <typename KV, typename Rows>
 void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
   const int64_t D = pb.head_dim, nq = pb.groups * pb.tokens;
-  const PieceView<KV> in(pb, pc, part);
-  const KV *keys = in.keys, *values = in.values;
+  const PieceView<Rows> in(pb, pc, part);
+  const Rows &keys = in.keys, &values = in.values;
   const float* queries = in.queries;
   const std::vector<int64_t>&lo = in.lo, &hi = in.hi;
   float scores[kChunk];
@@ -203,15 +242,17 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
     for (int64_t c0 = lo[qi]; c0 < hi[qi]; c0 += kChunk) {
       const int64_t n = std::min(kChunk, hi[qi] - c0);
       for (int64_t j = 0; j < n; ++j) {
+        const KV* k = keys(c0 + j);
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(keys[(c0 + j) * D + d]);
+        for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(k[d]);
         scores[j] = dot;
       }
       const float correction = fold_scores(scores, n, 0, n, pb.softcap, state);
       float* acc = state + 2;
       for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
       for (int64_t j = 0; j < n; ++j) {
-        for (int64_t d = 0; d < D; ++d) acc[d] += scores[j] * to_float(values[(c0 + j) * D + d]);
+        const KV* v = values(c0 + j);
+        for (int64_t d = 0; d < D; ++d) acc[d] += scores[j] * to_float(v[d]);
       }
     }
   }
@@ -265,13 +306,13 @@ inline Vec lane_sum4(Vec a, Vec b, Vec c, Vec d) {
 // loaded into registers once per group and used by all four queries (scores reduced
 // together by lane_sum4; the four accumulators stay in registers through a chunk), so the
 // cache streams from memory once per group of four queries.
-template <typename KV, int kD>
+template <typename KV, int kD, typename Rows>
 void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
   constexpr int kNV = kD / 16, kQB = 4;
   constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / (kD * int64_t(sizeof(KV))));
   const int64_t nq = pb.groups * pb.tokens;
-  const PieceView<KV> in(pb, pc, part);
-  const KV *keys = in.keys, *values = in.values;
+  const PieceView<Rows> in(pb, pc, part);
+  const Rows &keys = in.keys, &values = in.values;
   const float* queries = in.queries;
   const std::vector<int64_t>&lo = in.lo, &hi = in.hi;
   alignas(64) float scores[kQB][kChunk];
@@ -295,11 +336,11 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
     // are summed (they may hold NaN or inf); a slot it sees always has a weight above 0.
     for (int64_t c0 = first; c0 < last; c0 += kChunk) {
       const int64_t n = std::min(kChunk, last - c0);
-      const KV* k = keys + c0 * kD;
       for (int64_t j = 0; j < n; ++j) {
-        if (c0 + j + kAhead < last) prefetch_row<kD>(k + (j + kAhead) * kD);
+        if (c0 + j + kAhead < last) prefetch_row<kD>(keys(c0 + j + kAhead));
+        const KV* k = keys(c0 + j);
         Vec kr[kNV];
-        for (int c = 0; c < kNV; ++c) kr[c] = load16(k + j * kD + c * 16);
+        for (int c = 0; c < kNV; ++c) kr[c] = load16(k + c * 16);
         Vec dot[kQB];
         for (int b = 0; b < kQB; ++b) {
           dot[b] = qv[b][0] * kr[0];
@@ -317,11 +358,11 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
       for (int b = 0; b < kQB; ++b) {
         for (int c = 0; c < kNV; ++c) acc[b][c] = b < nb ? load16(part + (g0 + b) * (kD + 2) + 2 + c * 16) * correction[b] : Vec{};
       }
-      const KV* v = values + c0 * kD;
       for (int64_t j = 0; j < n; ++j) {
-        if (c0 + j + kAhead < last) prefetch_row<kD>(v + (j + kAhead) * kD);
+        if (c0 + j + kAhead < last) prefetch_row<kD>(values(c0 + j + kAhead));
+        const KV* v = values(c0 + j);
         Vec vr[kNV];
-        for (int c = 0; c < kNV; ++c) vr[c] = load16(v + j * kD + c * 16);
+        for (int c = 0; c < kNV; ++c) vr[c] = load16(v + c * 16);
         for (int b = 0; b < kQB; ++b) {
           const float w = scores[b][j];
           if (!same_range && w == 0.0f) continue;
@@ -335,19 +376,25 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
   }
 }
 
+template <typename KV, typename Rows>
+void run_piece_in(const Problem& pb, const Piece& pc, float* part) {
+  switch (pb.head_dim) {
+    case 16: return run_piece_vec<KV, 16, Rows>(pb, pc, part);
+    case 32: return run_piece_vec<KV, 32, Rows>(pb, pc, part);
+    case 48: return run_piece_vec<KV, 48, Rows>(pb, pc, part);
+    case 64: return run_piece_vec<KV, 64, Rows>(pb, pc, part);
+    case 80: return run_piece_vec<KV, 80, Rows>(pb, pc, part);
+    case 96: return run_piece_vec<KV, 96, Rows>(pb, pc, part);
+    case 128: return run_piece_vec<KV, 128, Rows>(pb, pc, part);
+    case 256: return run_piece_vec<KV, 256, Rows>(pb, pc, part);  // queries spill to L1: still far ahead of scalar
+    default: return run_piece_scalar<KV, Rows>(pb, pc, part);
+  }
+}
+
 template <typename KV>
 void run_piece(const Problem& pb, const Piece& pc, float* part) {
-  switch (pb.head_dim) {
-    case 16: return run_piece_vec<KV, 16>(pb, pc, part);
-    case 32: return run_piece_vec<KV, 32>(pb, pc, part);
-    case 48: return run_piece_vec<KV, 48>(pb, pc, part);
-    case 64: return run_piece_vec<KV, 64>(pb, pc, part);
-    case 80: return run_piece_vec<KV, 80>(pb, pc, part);
-    case 96: return run_piece_vec<KV, 96>(pb, pc, part);
-    case 128: return run_piece_vec<KV, 128>(pb, pc, part);
-    case 256: return run_piece_vec<KV, 256>(pb, pc, part);  // queries spill to L1: still far ahead of scalar
-    default: return run_piece_scalar<KV>(pb, pc, part);
-  }
+  if (pb.table) run_piece_in<KV, PagedRows<KV>>(pb, pc, part);
+  else run_piece_in<KV, ContiguousRows<KV>>(pb, pc, part);
 }
 
 // Runs items [0, n) on the caller and up to `helpers` pool threads. Each thread claims the
@@ -404,61 +451,66 @@ std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
-                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
-                            ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_len,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t window, float softcap,
-                            float scale) {
+// What both targets check alike, and the problem's fields other than the cache's layout:
+// sizes from q, options, positions, lengths, queries (scaled, as float, into `qf`).
+ffi::Error common_setup(const char* who, const ffi::AnyBuffer& q, const ffi::AnyBuffer& keys,
+                        const ffi::AnyBuffer& values, const ffi::Buffer<ffi::S32>& layer,
+                        const ffi::Buffer<ffi::S32>& q_pos, const ffi::Buffer<ffi::S32>& kv_len,
+                        ffi::DataType out_type, int64_t window, float softcap, float scale,
+                        Problem& pb, std::vector<float>& qf, int32_t* layer_index) {
   const auto qd = q.dimensions();
   const auto kd = keys.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || values.dimensions().size() != 5 ||
+  const auto vd = values.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin()) ||
       keys.element_type() != values.element_type()) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: expected q [B, Hq, T, D] and keys == values [L, B, H, S, D], got q " +
-                                       dims_str(qd) + ", keys " + dims_str(kd));
+    return ffi::Error::InvalidArgument(std::string(who) + ": expected q [B, Hq, T, D] and keys == values (rank 5), got q " +
+                                       dims_str(qd) + ", keys " + dims_str(kd) + ", values " + dims_str(vd));
   }
-  Problem pb;
-  const int64_t num_layers = kd[0];
   pb.batch = qd[0];
   pb.q_heads = qd[1];
   pb.tokens = qd[2];
   pb.head_dim = qd[3];
   pb.kv_heads = kd[2];
-  pb.slots = kd[3];
-  if (kd[1] != pb.batch || kd[4] != pb.head_dim || pb.kv_heads == 0 || pb.q_heads % pb.kv_heads) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: q " + dims_str(qd) + " does not fit keys " + dims_str(kd));
+  if (kd[4] != pb.head_dim || pb.kv_heads == 0 || pb.q_heads % pb.kv_heads) {
+    return ffi::Error::InvalidArgument(std::string(who) + ": q " + dims_str(qd) + " does not fit keys " + dims_str(kd));
   }
   const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
   // A cache may hold bf16 as its uint16 bits (jaxkv stores 16-bit floats so, since XLA:CPU
   // cannot update a bf16 array in place); the bytes are the same.
   const bool kv_ok = is_float(keys.element_type()) || keys.element_type() == ffi::DataType::U16;
-  if (!is_float(q.element_type()) || !kv_ok || out->element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: queries and cache must be float32 or bfloat16 (the cache may be bfloat16 bits as uint16), and the output the queries' dtype");
+  if (!is_float(q.element_type()) || !kv_ok || out_type != q.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(who) + ": queries and cache must be float32 or bfloat16 (the cache may be bfloat16 bits as uint16), and the output the queries' dtype");
   }
   if (q_pos.element_count() != size_t(pb.batch * pb.tokens) || kv_len.element_count() != size_t(pb.batch) ||
       layer.element_count() != 1) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: q_pos must be [B, T], kv_len [B] and layer a scalar");
+    return ffi::Error::InvalidArgument(std::string(who) + ": q_pos must be [B, T], kv_len [B] and layer a scalar");
   }
-  const int32_t li = layer.typed_data()[0];
-  if (li < 0 || li >= num_layers) {
-    return ffi::Error::InvalidArgument("jaxkv decode_attention: layer index " + std::to_string(li) +
-                                       " is outside [0, " + std::to_string(num_layers) + ")");
+  *layer_index = layer.typed_data()[0];
+  if (*layer_index < 0 || *layer_index >= kd[0]) {
+    return ffi::Error::InvalidArgument(std::string(who) + ": layer index " + std::to_string(*layer_index) +
+                                       " is outside [0, " + std::to_string(kd[0]) + ")");
   }
   pb.groups = pb.q_heads / pb.kv_heads;
   pb.window = window;
   pb.softcap = softcap;
   pb.q_pos = q_pos.typed_data();
   pb.kv_len = kv_len.typed_data();
-  const bool bf16 = keys.element_type() == ffi::DataType::BF16 || keys.element_type() == ffi::DataType::U16;
-  const size_t kv_bytes = bf16 ? 2 : 4;
-  const int64_t layer_elems = pb.batch * pb.kv_heads * pb.slots * pb.head_dim;
-  pb.keys = static_cast<const char*>(keys.untyped_data()) + li * layer_elems * kv_bytes;
-  pb.values = static_cast<const char*>(values.untyped_data()) + li * layer_elems * kv_bytes;
-
-  std::vector<float> qf(q.element_count());
+  qf.resize(q.element_count());
   if (q.element_type() == ffi::DataType::BF16) load_queries<uint16_t>(q, scale, qf);
   else load_queries<float>(q, scale, qf);
   pb.q = qf.data();
+  return ffi::Error::Success();
+}
 
+// Points the problem at layer `li` of the stacked keys and values ([L, ...] each).
+void select_layer(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values, int32_t li, Problem& pb) {
+  const size_t layer_bytes = keys.size_bytes() / keys.dimensions()[0];
+  pb.keys = static_cast<const char*>(keys.untyped_data()) + li * layer_bytes;
+  pb.values = static_cast<const char*>(values.untyped_data()) + li * layer_bytes;
+}
+
+// The attention itself, for either layout: pieces, run on the pool, merged, stored in `out`.
+void attend(ffi::ThreadPool& pool, const Problem& pb, bool bf16, ffi::AnyBuffer& out) {
   // Pieces: each row's slot range that any of its queries can see, cut into even lengths.
   std::vector<int64_t> row_lo(pb.batch), row_hi(pb.batch);
   int64_t total = 0;
@@ -506,7 +558,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
 
   // Merge the pieces of each (row, kv head): one softmax over all of them.
   const int64_t D = pb.head_dim;
-  std::vector<float> result(qf.size(), 0.0f);
+  std::vector<float> result(pb.batch * pb.q_heads * pb.tokens * D, 0.0f);
   for (int64_t first = 0; first < n;) {
     int64_t last = first;
     while (last < n && pieces[last].row == pieces[first].row && pieces[last].head == pieces[first].head) ++last;
@@ -539,8 +591,60 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
     }
     first = last;
   }
-  if (out->element_type() == ffi::DataType::BF16) store_output<uint16_t>(result, *out);
-  else store_output<float>(result, *out);
+  if (out.element_type() == ffi::DataType::BF16) store_output<uint16_t>(result, out);
+  else store_output<float>(result, out);
+}
+
+bool is_16_bit(const ffi::AnyBuffer& keys) {
+  return keys.element_type() == ffi::DataType::BF16 || keys.element_type() == ffi::DataType::U16;
+}
+
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
+                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_len,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t window, float softcap,
+                            float scale) {
+  constexpr const char* kWho = "jaxkv decode_attention";
+  Problem pb;
+  std::vector<float> qf;
+  int32_t li;
+  ffi::Error err = common_setup(kWho, q, keys, values, layer, q_pos, kv_len, out->element_type(), window, softcap, scale, pb, qf, &li);
+  if (err.failure()) return err;
+  const auto kd = keys.dimensions();  // [L, B, H, S, D]
+  if (kd[1] != pb.batch) {
+    return ffi::Error::InvalidArgument(std::string(kWho) + ": q " + dims_str(q.dimensions()) + " does not fit keys " + dims_str(kd));
+  }
+  pb.slots = kd[3];
+  select_layer(keys, values, li, pb);
+  attend(pool, pb, is_16_bit(keys), *out);
+  return ffi::Error::Success();
+}
+
+ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
+                                  ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
+                                  ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_len,
+                                  ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                                  int64_t window, float softcap, float scale) {
+  constexpr const char* kWho = "jaxkv paged_decode_attention";
+  Problem pb;
+  std::vector<float> qf;
+  int32_t li;
+  ffi::Error err = common_setup(kWho, q, keys, values, layer, q_pos, kv_len, out->element_type(), window, softcap, scale, pb, qf, &li);
+  if (err.failure()) return err;
+  const auto kd = keys.dimensions();  // [L, P, H, ps, D]
+  const auto td = block_table.dimensions();
+  const int64_t page_size = kd[3];
+  if (td.size() != 2 || td[0] != pb.batch || kd[1] == 0 || page_size <= 0 || (page_size & (page_size - 1))) {
+    return ffi::Error::InvalidArgument(std::string(kWho) + ": expected a pool [L, P, H, ps, D] with P >= 1 and ps a power of two, and block_table [B, M] with B = " +
+                                       std::to_string(pb.batch) + ", got pool " + dims_str(kd) + ", block_table " + dims_str(td));
+  }
+  pb.table = block_table.typed_data();
+  pb.pages = kd[1];
+  pb.max_pages = td[1];
+  while ((int64_t(1) << pb.page_shift) < page_size) ++pb.page_shift;
+  pb.slots = pb.max_pages * page_size;
+  select_layer(keys, values, li, pb);
+  attend(pool, pb, is_16_bit(keys), *out);
   return ffi::Error::Success();
 }
 
@@ -555,6 +659,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDecodeAttention, decode_attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_len
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedDecodeAttention, paged_decode_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // keys: the pool
+                                  .Arg<ffi::AnyBuffer>()          // values: the pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_table
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap")

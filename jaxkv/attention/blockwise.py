@@ -21,9 +21,12 @@ Two implementations compute this same function:
   slots where they lie in the stacked buffer, once, on all cores: 76-92% of the read
   bandwidth. ``implementation="auto"`` (the default) picks it when it applies. It is built
   (with the machine's C++ compiler) and registered only when JAX's default device is a
-  CPU: tracing for a GPU or TPU never runs the compiler.
+  CPU: tracing for a GPU or TPU never runs the compiler. The same kernel reads a paged
+  pool (float pages) through the block table (:func:`paged_blockwise_attend`); int8/int4
+  pages, quantized caches and anything off CPU take the XLA loop.
 
-``benchmarks/bench_attention.py`` measures both side by side.
+``benchmarks/bench_attention.py`` measures both side by side; ``benchmarks/bench_paged.py``
+(section "attention") a paged decode step against a contiguous one.
 
 Shapes: B batch, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim.
 Slot ``s`` holds absolute position ``s`` (the ``StaticCache`` layout). Visibility is the
@@ -137,8 +140,7 @@ def blockwise_attend(
             f"got {q_positions.shape} and {kv_lengths.shape}."
         )
     block_size = _loop_options("blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
-    if implementation not in ("auto", "xla", "kernel"):
-        raise ValueError(f"blockwise_attend: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
+    _check_implementation("blockwise_attend", implementation)
     kv_dtype = keys.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     if keys.dtype != kv_dtype and (keys.dtype != jnp.uint16 or stored_dtype(kv_dtype) != keys.dtype):
         raise ValueError(
@@ -153,9 +155,22 @@ def blockwise_attend(
         _xla_loop, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size,
         kv_dtype=kv_dtype,
     )
+    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    why_not = None if implementation == "xla" else _kernel_unsuitable(queries, kv_dtype)
+    return _select("blockwise_attend", implementation, why_not, xla, kernel, args)
+
+
+def _check_implementation(who: str, implementation: str) -> None:
+    if implementation not in ("auto", "xla", "kernel"):
+        raise ValueError(f"{who}: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
+
+
+def _select(who, implementation, why_not, xla, kernel, args):
+    """Runs ``kernel(*args)`` or ``xla(*args)`` (same function) as ``implementation`` and
+    ``why_not`` (the inputs' reason the kernel cannot take them, or None) decide; the
+    kernel's derivatives come from the XLA loop."""
     if implementation == "xla":
         return xla(*args)
-    why_not = _kernel_unsuitable(queries, kv_dtype)
     platform = _default_platform()
     if why_not is None and platform != "cpu":  # checked first: available() runs the compiler
         why_not = f"the default device is a {platform} device and the native kernel runs on CPU only"
@@ -163,9 +178,8 @@ def blockwise_attend(
         why_not = "the native kernel could not be built or loaded (see the warning above, or JAXKV_CPU_KERNEL=0 is set)"
     if why_not:
         if implementation == "kernel":
-            raise ValueError(f"blockwise_attend: implementation='kernel' cannot run here: {why_not}; use 'auto'.")
+            raise ValueError(f"{who}: implementation='kernel' cannot run here: {why_not}; use 'auto'.")
         return xla(*args)
-    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
 
     @jax.custom_jvp
     def attend_(*args):
@@ -218,26 +232,33 @@ def _kernel_unsuitable(queries: jax.Array, kv_dtype: Any) -> str | None:
     return None  # bf16 may come as its uint16 bits: the kernel reads 16-bit rows as bf16 either way
 
 
-def _ffi_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
+def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged):
+    """The kernel's custom call; ``operands``: keys, values, layer, q_pos, kv_len and, when
+    ``paged``, the block table (keys/values are then the page pool)."""
     # vmap never reaches this call: _batchable_kernel maps it first.
-    call = jax.ffi.ffi_call(_kernels.TARGET, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
+    target = _kernels.PAGED_TARGET if paged else _kernels.TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
     return call(
-        queries, keys, values, layer, q_pos, kv_len,
+        queries, *operands,
         window=np.int64(sliding_window or 0),
         softcap=np.float32(logit_softcap or 0.0),
         scale=np.float32(scale),
     )
 
 
-def _local_axes(mesh, arg_shapes):
+def _local_axes(mesh, arg_shapes, paged):
     """The mesh axes of the cache's rows and kv heads that each device can keep local.
 
     Rows split freely; kv heads split only where the query heads split the same way (so
-    each device holds whole groups: query head i reads kv head i // G).
+    each device holds whole groups: query head i reads kv head i // G). A paged pool is
+    shared by all rows: its rows are the block table's, and every device keeps every page
+    (of its kv heads).
     """
     keys = arg_shapes[1]
     spec = tuple(getattr(keys.sharding, "spec", ())) + (None,) * 5
     rows, heads = spec[1], spec[2]
+    if paged:
+        rows = (tuple(getattr(arg_shapes[6].sharding, "spec", ())) + (None,))[0]
 
     def size(axes):
         names = axes if isinstance(axes, tuple) else (axes,)
@@ -250,24 +271,28 @@ def _local_axes(mesh, arg_shapes):
 
 
 @lru_cache(maxsize=None)
-def _partitioned_kernel(sliding_window, logit_softcap, scale):
+def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
     """The kernel call, split by rows and kv heads over a sharded cache.
 
     Without this, XLA's partitioner knows nothing of the custom call and gathers the whole
     cache onto every device before it. Each device now runs the kernel on its own rows and
     heads; the output comes back sharded the same way. On one device it is the plain call.
+    A paged pool splits by kv heads only (any row may read any page); its block table
+    splits by rows.
     """
-    static = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    static = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=paged)
 
     @custom_partitioning
-    def call(queries, keys, values, layer, q_pos, kv_len):
-        return _ffi_call(queries, keys, values, layer, q_pos, kv_len, **static)
+    def call(*operands):
+        return _ffi_call(*operands, **static)
 
     def shardings(mesh, arg_shapes):
-        rows, heads = _local_axes(mesh, arg_shapes)
+        rows, heads = _local_axes(mesh, arg_shapes, paged)
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
-        args = (named(rows, heads, None, None), named(None, rows, heads, None, None),
-                named(None, rows, heads, None, None), named(), named(rows, None), named(rows))
+        cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
+        args = (named(rows, heads, None, None), cache, cache, named(), named(rows, None), named(rows))
+        if paged:
+            args += (named(rows, None),)
         return args, named(rows, heads, None, None)
 
     def infer(mesh, arg_shapes, result_shape):
@@ -280,17 +305,21 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale):
     call.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        # queries [B, Hq, T, D], keys and values [L, B, H, S, D], layer [], q_pos [B, T], kv_len [B]
-        sharding_rule="b h t d, l b k s d, l b k s d, , b t, b -> b h t d",
+        # queries [B, Hq, T, D], keys and values [L, B, H, S, D] (paged: pools [L, P, H, ps, D]),
+        # layer [], q_pos [B, T], kv_len [B] (paged: block_table [B, M])
+        sharding_rule=(
+            "b h t d, l p k s d, l p k s d, , b t, b, b m -> b h t d" if paged
+            else "b h t d, l b k s d, l b k s d, , b t, b -> b h t d"
+        ),
     )
     return call
 
 
 @lru_cache(maxsize=None)
-def _batchable_kernel(sliding_window, logit_softcap, scale):
+def _batchable_kernel(sliding_window, logit_softcap, scale, paged=False):
     """The partitioned kernel under ``jax.vmap``: one call per mapped element, in sequence
     (``lax.map``), as the partitioning wrapper has no batching rule of its own."""
-    call = _partitioned_kernel(sliding_window, logit_softcap, scale)
+    call = _partitioned_kernel(sliding_window, logit_softcap, scale, paged)
 
     @jax.custom_batching.custom_vmap
     def batchable(*args):
@@ -309,9 +338,11 @@ def _batchable_kernel(sliding_window, logit_softcap, scale):
     return batchable
 
 
-def _kernel_call(queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale):
-    call = _batchable_kernel(sliding_window, None if logit_softcap is None else float(logit_softcap), float(scale))
-    return call(queries, keys, values, layer, q_pos, kv_len)
+def _kernel_call(*operands, sliding_window, logit_softcap, scale, paged=False):
+    call = _batchable_kernel(
+        sliding_window, None if logit_softcap is None else float(logit_softcap), float(scale), paged
+    )
+    return call(*operands)
 
 
 def _xla_loop(
@@ -512,14 +543,25 @@ def paged_blockwise_attend(
     logit_softcap: float | None = None,
     scale: float | None = None,
     block_size: int | None = None,
+    implementation: str = "auto",
 ) -> jax.Array:  # [B, Hq, T, D]
-    """:func:`blockwise_attend` over a paged layer, reading each block through the block table.
+    """:func:`blockwise_attend` over a paged layer, reading each slot through the block table.
 
-    A block of the loop is a run of whole pages (or a part of one page, for a last block
-    smaller than a page): their ids are sliced from the block table and the pages
-    gathered from the pool (and dequantized, for int8/int4 pages). Cost scales with tokens
-    stored, like the contiguous path. Same contract, shapes and errors as
-    :func:`blockwise_attend`; ``block_size`` must be a power of two.
+    Two implementations, as for :func:`blockwise_attend` (``implementation`` chooses the
+    same way):
+
+    * On CPU, float pages (f32, bf16), up to 16 queries: the native kernel reads slot ``s``
+      of row ``b`` at offset ``s % ps`` of page ``block_table[b, s // ps]`` in place, on all
+      cores (the same loops as the contiguous kernel). Over a sharded cache each device
+      runs it on its rows (the block table's split) and kv heads (the pool's), with every
+      page of its heads.
+    * Elsewhere, and for int8/int4 pages: the XLA loop. A block of the loop is a run of
+      whole pages (or a part of one page, for a last block smaller than a page): their ids
+      are sliced from the block table and the pages gathered from the pool (and
+      dequantized, for int8/int4 pages).
+
+    Cost scales with tokens stored, like the contiguous path. Same contract, shapes and
+    errors as :func:`blockwise_attend`; ``block_size`` (the XLA loop's) must be a power of two.
     """
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, _, num_kv_heads, page_size, _ = view.keys.shape
@@ -534,19 +576,35 @@ def paged_blockwise_attend(
     block_size = _loop_options("paged_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     if block_size & (block_size - 1):
         raise ValueError(f"paged_blockwise_attend: block_size must be a power of two (pages are), got {block_size}.")
-    table = view.block_table
+    _check_implementation("paged_blockwise_attend", implementation)
+    scale = head_dim**-0.5 if scale is None else scale
+    args = (queries, view.keys, view.values, jnp.asarray(view.layer, jnp.int32), q_positions.astype(jnp.int32),
+            view.lengths.astype(jnp.int32), view.block_table)
 
-    def read_block(offset, size):
-        # Offsets are multiples of `size`; sizes and pages are powers of two, so a block is
-        # whole pages or lies inside one page.
-        if size >= page_size:
-            return view.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, size // page_size, axis=1))
-        keys, values = view.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, 1, axis=1))
-        within = offset % page_size
-        return tuple(jax.lax.dynamic_slice_in_dim(x, within, size, axis=2) for x in (keys, values))
+    def xla(queries, keys, values, layer, q_pos, kv_len, table):
+        pages = view._replace(keys=keys, values=values, layer=layer, lengths=kv_len, block_table=table)
 
-    return _blockwise_loop(
-        queries, read_block, view.num_slots, num_kv_heads, q_positions.astype(jnp.int32),
-        view.lengths.astype(jnp.int32), sliding_window=sliding_window, logit_softcap=logit_softcap,
-        scale=head_dim**-0.5 if scale is None else scale, block_size=block_size,
-    )
+        def read_block(offset, size):
+            # Offsets are multiples of `size`; sizes and pages are powers of two, so a block is
+            # whole pages or lies inside one page.
+            if size >= page_size:
+                return pages.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, size // page_size, axis=1))
+            keys, values = pages.gather(jax.lax.dynamic_slice_in_dim(table, offset // page_size, 1, axis=1))
+            within = offset % page_size
+            return tuple(jax.lax.dynamic_slice_in_dim(x, within, size, axis=2) for x in (keys, values))
+
+        return _blockwise_loop(
+            queries, read_block, view.num_slots, num_kv_heads, q_pos, kv_len, sliding_window=sliding_window,
+            logit_softcap=logit_softcap, scale=scale, block_size=block_size,
+        )
+
+    why_not = None
+    if implementation != "xla":
+        if view.bits is not None:
+            why_not = f"int{view.bits} pages; the kernel reads float pages (f32, bf16)"
+        elif page_size & (page_size - 1):
+            why_not = f"page size {page_size}; the kernel takes powers of two"
+        else:
+            why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
+    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True)
+    return _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args)
