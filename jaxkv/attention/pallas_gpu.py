@@ -45,8 +45,9 @@ cap turns logits into ``c * tanh(logits / c)``. Window and soft cap are runtime 
 (one compiled kernel serves every value).
 
 Non-finite contract (the one of :mod:`jaxkv.attention.blockwise`, the XLA loop and the CPU
-kernel): a slot a query cannot see never affects it, whatever it holds (its value rows are
-zeroed before the product and its logit replaced, never added); if a slot the query sees
+kernel): a slot a query cannot see never affects it, whatever it holds (its logit is
+replaced by -inf with a select, never added to, so its weight is exactly 0, and non-finite
+value elements are zeroed before the product, so 0 * NaN never occurs); if a slot the query sees
 has a non-finite raw logit (``q . k * scale`` before the soft cap; for a quantized slot a
 non-finite key scale gives one) or a non-finite value element (a non-finite value scale),
 the query's whole output row is NaN (the split marks its ``l`` NaN and the merge spreads
@@ -58,9 +59,11 @@ of two >= 16 tokens), at most 16 queries per row, float32/bfloat16/float16 queri
 cache, head dim a power of two >= 16 (>= 32 for int4), capacity a multiple of 16,
 ``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
 default device is a GPU (``JAXKV_PALLAS_GPU=1`` forces them wherever they apply, in
-interpret mode off a GPU; ``=0`` turns them off). On CPU they run in Pallas interpret mode
-(``tests/test_pallas_gpu.py``: the float64 reference and the contract); GPU figures come
-from ``benchmarks/bench_device.py``.
+interpret mode off a GPU; ``=0`` turns them off; the variable is read when a function is
+traced, so a function already jitted keeps the path it was traced with). On CPU they run in
+Pallas interpret mode (``tests/test_pallas_gpu.py``: the float64 reference and the
+contract; the Triton lowering is exported for CUDA there too). Their GPU speed is measured
+by part 0 of ``benchmarks/bench_device.py``; it has not run on a GPU yet.
 
 Not done yet: the kernels have no partitioning rule, so over a cache sharded across several
 GPUs XLA would gather each layer onto every device before the call (set
