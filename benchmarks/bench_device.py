@@ -139,12 +139,14 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
             lengths = jnp.full((batch,), tokens, jnp.int32)
             pos = jnp.full((batch, 1), tokens - 1, jnp.int32)
             q = jnp.asarray(np.random.default_rng(2).standard_normal((batch, Q_HEADS, 1, HEAD_DIM)), _model_dtype(kind))
-            calls, skipped = {}, {}
+            calls, skipped, outputs = {}, {}, {}
             for name, fn in _strategies(kind, interpret).items():
                 def all_layers(q, buffers, fn=fn):
                     return jnp.stack([fn(q, pos, _view(kind, buffers, i, lengths)) for i in range(layers)])
                 step = jax.jit(all_layers)
                 calls[name] = lambda step=step: step(q, buffers).block_until_ready()
+                if name in ("pallas kernel", "XLA loop"):
+                    outputs[name] = np.asarray(step(q, buffers), np.float32)
             arrays = [x for group in buffers.values() for x in group]
             read = jax.jit(lambda arrays: sum(jnp.sum(x, dtype=jnp.float32 if x.dtype == jnp.float32 else jnp.int32)
                                               for x in arrays))
@@ -173,7 +175,9 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
                         skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
                         continue
                     best[name] = min(t, best.get(name, t))
-            row = dict(kind=kind, batch=batch, cache_mb=nbytes / 2**20,
+            # The kernel must compute what the XLA loop computes, at this size too.
+            agreement = float(np.max(np.abs(outputs["pallas kernel"] - outputs["XLA loop"])))
+            row = dict(kind=kind, batch=batch, cache_mb=nbytes / 2**20, kernel_vs_loop_max_abs=agreement,
                        gbs={name: nbytes / t / 1e9 for name, t in best.items()},
                        ms={name: t * 1e3 for name, t in best.items()}, skipped=skipped)
             results["bandwidth"].append(row)
@@ -181,13 +185,13 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
     print(f"\n0a. Decode attention, 1 token x {layers} layers x {tokens} filled tokens, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={HEAD_DIM}: GB/s of cache bytes and % of jnp.sum over the same arrays{note}")
     names = ["pallas kernel", "XLA loop", "cuDNN", "masked"]
-    headers = ["cache", "batch", "MB", "jnp.sum GB/s"] + [f"{n} GB/s (%)" for n in names]
+    headers = ["cache", "batch", "MB", "jnp.sum GB/s"] + [f"{n} GB/s (%)" for n in names] + ["kernel vs loop, max abs diff"]
     for r in results["bandwidth"]:
         ref = r["gbs"].get("jnp.sum")
         cells = [r["kind"], r["batch"], f"{r['cache_mb']:.0f}", f"{ref:.1f}" if ref else "-"]
         for n in names:
             cells.append(f"{r['gbs'][n]:.1f} ({r['gbs'][n] / ref * 100:.0f}%)" if n in r["gbs"] and ref else "skipped")
-        rows.append(cells)
+        rows.append(cells + [f"{r['kernel_vs_loop_max_abs']:.1e}"])
     print_table(headers, rows)
     print("   GB/s = the cache's bytes (int8: codes + scales) / time, for every column; masked attention and cuDNN "
           "read float copies (cuDNN: its own [B, S, H, D] arrays; int8: dequantized to bf16)")
