@@ -53,6 +53,8 @@ GREEDY = SamplingConfig()
 NAN_TOKEN = -1
 # Prompts longer than this are prefilled in chunks (bounded activations, see generate).
 DEFAULT_PREFILL_CHUNK = 512
+# Decode steps per device call in stream (see its tokens_per_call).
+DEFAULT_TOKENS_PER_CALL = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +162,32 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:  # [B] bool
     return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
 
-def init_model_cache(model, batch: int, capacity: int, dtype: Any = None, kind: str = "static", *, rollback: int = 0):
+def _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id):
+    """One step of the decode loop shared by ``generate`` and ``stream`` (so both give the
+    same tokens): rows already done get ``pad_id`` and write nothing; returns
+    ``(tokens [B], cache, done [B])`` with ``done`` updated by the new tokens."""
+    nxt, cache = decode_step(graphdef, state, last, cache, row_keys, step, sampling, active=~done)
+    nxt = jnp.where(done, pad_id, nxt)
+    return nxt, cache, done | _is_stop(nxt, stop_ids)
+
+
+def init_model_cache(
+    model, batch: int, capacity: int, dtype: Any = None, kind: str = "static", *, rollback: int = 0, fanout: int = 1
+):
     """An empty cache of ``kind`` from the model's ``init_cache`` (shared by ``generate``,
     ``stream`` and every decoding algorithm, so each takes every kind the model offers).
 
     ``rollback``: the most tokens a ``crop`` may take back (speculative decoding); a kind
     with ring layers gets that many extra slots so rolled-back positions are still held.
+    ``fanout``: rows each of the ``batch`` rows becomes (``batch_repeat_interleave``: beams,
+    samples); a paged pool gets pages for every one of them at ``capacity``, so the
+    algorithm can never run out (forks share pages until they diverge).
     """
     if kind == "static":  # the plain protocol: any model with init_cache(batch, length, dtype=)
         return model.init_cache(batch, capacity, dtype=dtype)
+    if kind in ("paged", "paged-quantized"):
+        pages = batch * fanout * -(-capacity // 16)
+        return model.init_cache(batch, capacity, dtype=dtype, kind=kind, page_size=16, num_pages=pages)
     if rollback and kind == "hybrid":
         return model.init_cache(batch, capacity, dtype=dtype, kind=kind, extra_slots=rollback)
     return model.init_cache(batch, capacity, dtype=dtype, kind=kind)
@@ -196,11 +215,10 @@ def _generate(
 
     def body(carry):
         step, last, cache, done, tokens, lengths = carry
-        nxt, cache = decode_step(graphdef, state, last, cache, row_keys, step, sampling, active=~done)
-        nxt = jnp.where(done, pad_id, nxt)
+        nxt, cache, now_done = _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id)
         tokens = jax.lax.dynamic_update_index_in_dim(tokens, nxt, step, axis=1)
         lengths = lengths + (~done).astype(jnp.int32)
-        return step + 1, nxt, cache, done | _is_stop(nxt, stop_ids), tokens, lengths
+        return step + 1, nxt, cache, now_done, tokens, lengths
 
     carry = (jnp.int32(1), first, cache, done, tokens, lengths)
     _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
@@ -386,48 +404,73 @@ def generate(
 
 @lru_cache(maxsize=32)
 def _stream_programs(graphdef: nnx.GraphDef, treedef: Any):
-    """Jitted prefill and donated decode step for one model structure, built once.
+    """Jitted prefill and donated multi-step decode for one model structure, built once.
 
-    The graph definition and the parameters' tree structure are bound here, so a step call
+    The graph definition and the parameters' tree structure are bound here, so a call
     passes only a flat list of arrays: hashing a graph definition and flattening an
-    ``nnx.State`` on every call would cost about a millisecond of Python per token.
+    ``nnx.State`` on every call would cost about a millisecond of Python per call.
     """
 
     def run_prefill(leaves, input_ids, prompt_lengths, cache, row_keys, *, sampling, chunk_size):
         state = jax.tree.unflatten(treedef, leaves)
         return prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
 
-    def run_step(leaves, tokens, cache, row_keys, step, active, *, sampling):
+    def run_decode(leaves, last, cache, row_keys, step, done, stop_ids, pad_id, limit, *, sampling, num_steps):
+        """Up to ``num_steps`` steps of ``generate``'s loop from ``step``; ends early at step
+        ``limit`` or once every row is done. Returns ``(tokens [num_steps, B], count, last,
+        cache, done)``: rows ``tokens[:count]`` are the new steps."""
         state = jax.tree.unflatten(treedef, leaves)
-        return decode_step(graphdef, state, tokens, cache, row_keys, step, sampling, active)
+        tokens = jnp.full((num_steps, last.shape[0]), pad_id, jnp.int32)
+
+        def cond(carry):
+            i, step, _, _, done, _ = carry
+            return (i < num_steps) & (step < limit) & ~jnp.all(done)
+
+        def body(carry):
+            i, step, last, cache, done, tokens = carry
+            nxt, cache, done = _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids,
+                                            pad_id)
+            return i + 1, step + 1, nxt, cache, done, jax.lax.dynamic_update_index_in_dim(tokens, nxt, i, axis=0)
+
+        count, _, last, cache, done, tokens = jax.lax.while_loop(
+            cond, body, (jnp.int32(0), step, last, cache, done, tokens)
+        )
+        return tokens, count, last, cache, done
 
     jit_prefill = jax.jit(run_prefill, static_argnames=("sampling", "chunk_size"), donate_argnames="cache")
-    jit_step = jax.jit(run_step, static_argnames=("sampling",), donate_argnames="cache")
-    return jit_prefill, jit_step
+    jit_decode = jax.jit(run_decode, static_argnames=("sampling", "num_steps"), donate_argnames="cache")
+    return jit_prefill, jit_decode
 
 
 class TokenStream:
     """Iterable over generated tokens, one decode step at a time (see :func:`stream`).
 
     Each item is a NumPy int32 [B] array: the token each row produced at that step
-    (``pad_token_id`` for rows that already stopped). ``cache`` is the current
-    cache (of ``cache_kind``); ``done`` the rows that have stopped.
+    (``pad_token_id`` for rows that already stopped). ``done`` holds the rows that have
+    stopped as of the last item yielded; ``cache`` is the current cache (of
+    ``cache_kind``). The first item comes from the prefill call alone; later items come
+    ``tokens_per_call`` at a time from one device call each (a ``lax.while_loop`` that ends
+    early once every row is done or the last step is reached), so ``cache`` is the one
+    after the call that produced the last item: it may already hold up to
+    ``tokens_per_call - 1`` fed tokens beyond it (with ``tokens_per_call=1``, exactly the
+    tokens fed so far). When the stream ends, it holds the prompt and every fed token.
 
     Every ``iter()`` starts over from the prompt with a fresh, empty cache, so iterating
     again yields the same tokens (greedy, or sampling with the same key: row keys are
     folded with the step number). ``cache`` and ``done`` follow the iteration that last
-    produced a token; the caches of earlier iterations were donated to their decode steps
+    produced a token; the caches of earlier iterations were donated to their decode calls
     and are gone.
     """
 
     def __init__(
         self, model, ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, cache_dtype, chunk,
-        cache_kind="static",
+        cache_kind="static", tokens_per_call=1,
     ):
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
-        self._prefill, self._step = _stream_programs(graphdef, treedef)
+        self._prefill, self._decode = _stream_programs(graphdef, treedef)
         self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk)
+        self.tokens_per_call = tokens_per_call
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
         self._empty_cache = partial(init_model_cache, model, batch, ids.shape[1] + max_new_tokens, dtype, cache_kind)
@@ -437,7 +480,7 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk = self._args
-        stop = set(np.asarray(stop_ids).tolist())
+        stop = np.asarray(stop_ids)
         if self._cache_unused:
             self._cache_unused = False
             cache = self.cache
@@ -445,24 +488,29 @@ class TokenStream:
             # Dropping the previous iteration's cache first keeps one cache alive, not two.
             self.cache = None
             cache = self._empty_cache()
-        done = np.zeros_like(self.done)
-        tokens, cache = self._prefill(self._leaves, ids, lengths, cache, row_keys, sampling=sampling, chunk_size=chunk)
-        self.cache, self.done = cache, done
-        for step in range(max_new_tokens):
-            if step:
-                active = jnp.asarray(~done)
-                tokens, cache = self._step(
-                    self._leaves, tokens, cache, row_keys, jnp.int32(step), active, sampling=sampling
-                )
-                self.cache = cache
-            host = np.asarray(tokens).copy()
-            host[done] = pad_id
-            tokens = jnp.asarray(host)
-            done = done | np.isin(host, list(stop))
-            self.done = done
-            yield host
-            if done.all():
-                return
+        last, cache = self._prefill(self._leaves, ids, lengths, cache, row_keys, sampling=sampling, chunk_size=chunk)
+        self.cache = cache
+        first = np.array(last)
+        done = np.isin(first, stop)
+        self.done = done
+        yield first
+        step, limit, pad = 1, jnp.int32(max_new_tokens), jnp.int32(pad_id)
+        device_done = jnp.asarray(done)
+        while step < max_new_tokens and not done.all():
+            tokens, count, last, cache, device_done = self._decode(
+                self._leaves, last, cache, row_keys, jnp.int32(step), device_done, stop_ids, pad, limit,
+                sampling=sampling, num_steps=self.tokens_per_call,
+            )
+            self.cache = cache
+            tokens, count = jax.device_get((tokens, count))
+            tokens = np.array(tokens[:count])  # [count, B], writable: each item is one row of it
+            # The done flags after each of these steps, as the device loop computed them.
+            done_after = np.logical_or.accumulate(np.isin(tokens, stop), axis=0) | done
+            for row, row_done in zip(tokens, done_after):
+                self.done = row_done
+                yield row
+            done = done_after[-1]
+            step += int(count)
 
 
 def stream(
@@ -479,21 +527,36 @@ def stream(
     cache_kind: str = "static",
     bucket: bool = True,
     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+    tokens_per_call: int = DEFAULT_TOKENS_PER_CALL,
 ) -> TokenStream:
     """Like :func:`generate`, but yields each step's tokens as soon as they exist.
 
-    A jitted prefill, then a jitted decode step whose cache argument is donated, so each
-    step updates the cache in place. Arguments and errors as in :func:`generate`; with the
-    same key the tokens equal ``generate``'s. Iterating the returned :class:`TokenStream`
-    again starts over from the prompt with a fresh cache and yields the same tokens.
+    A jitted prefill, then a jitted decode loop of up to ``tokens_per_call`` steps per call
+    whose cache argument is donated, so the cache is updated in place. Arguments and errors
+    as in :func:`generate`; with the same key the tokens equal ``generate``'s. Iterating the
+    returned :class:`TokenStream` again starts over from the prompt with a fresh cache and
+    yields the same tokens.
+
+    Args:
+      tokens_per_call: decode steps per device call (default 16): each call costs a
+        dispatch and a device-to-host copy, which at one step per call cost more than the
+        step itself for small models. The tokens are the same for every value; a larger
+        one only delays the first token of each call's batch (by ``tokens_per_call`` steps)
+        and lets ``TokenStream.cache`` run ahead of the items yielded. 1 gives one step per
+        call.
+
+    Raises:
+      ValueError: as :func:`generate`, and ``tokens_per_call`` not a Python int >= 1.
 
     Example:
       >>> for tokens in jaxkv.stream(model, ids, 32, eos_token_id=0):  # doctest: +SKIP
       ...     print(tokenizer.decode([int(tokens[0])]), end="", flush=True)
     """
+    if not isinstance(tokens_per_call, (int, np.integer)) or isinstance(tokens_per_call, bool) or tokens_per_call < 1:
+        raise ValueError(f"tokens_per_call must be a Python int >= 1, got {tokens_per_call!r}")
     ids, lengths, row_keys, stop_ids, chunk = _prepare(
         model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
         prefill_chunk_size, "stream",
     )
     return TokenStream(model, ids, lengths, row_keys, stop_ids, int(pad_token_id), int(max_new_tokens), sampling,
-                       cache_dtype, chunk, cache_kind)
+                       cache_dtype, chunk, cache_kind, int(tokens_per_call))

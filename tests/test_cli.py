@@ -9,19 +9,29 @@ import sys
 
 import pytest
 
-from jaxkv.cli import embedded_model_path, main
+from jaxkv.cli import compilation_cache_dir, embedded_model_path, main
+
+# Subprocesses leave the user's compilation cache alone unless a test gives them one.
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILATION_CACHE": "0"}
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=ENV):
     return subprocess.run(
-        [sys.executable, "-m", "jaxkv", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        [sys.executable, "-m", "jaxkv", *args], capture_output=True, text=True, timeout=timeout, env=env,
     )
 
 
-def test_generate_streams_text_and_prints_summary():
-    result = run("generate", "def fibonacci(", "--max-new-tokens", "24", "--seed", "3")
+def test_generate_streams_text_and_prints_summary(tmp_path):
+    """Also the compilation cache: the first run fills the directory it is given, the
+    second loads its programs from there and prints the same text."""
+    env = {**ENV, "JAXKV_COMPILATION_CACHE": str(tmp_path / "xla")}
+    args = ("generate", "def fibonacci(", "--max-new-tokens", "24", "--seed", "3")
+    result = run(*args, env=env)
     assert result.returncode == 0, result.stderr
+    assert len(os.listdir(tmp_path / "xla")) >= 2  # at least the prefill and the decode loop
+    again = run(*args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:-1] == result.stdout.splitlines()[:-1]  # all but the summary's timing
     out = result.stdout
     assert out.startswith("def fibonacci(")
     summary = out.strip().splitlines()[-1]
@@ -87,7 +97,7 @@ def test_invalid_utf8_prompt_is_one_clean_line():
     # Bytes in argv that are not UTF-8, as a shell passes them.
     result = subprocess.run(
         [sys.executable, "-m", "jaxkv", "generate", b"def f(\xff\xfe"], capture_output=True, timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=ENV,
     )
     assert result.returncode == 2 and result.stdout == b""
     assert result.stderr.decode() == (
@@ -100,7 +110,7 @@ def test_closed_stdout_pipe_exits_quietly():
     # while the model is still compiling, so the next write meets a closed pipe.
     process = subprocess.Popen(
         [sys.executable, "-m", "jaxkv", "generate", "def f(", "--max-new-tokens", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
     )
     assert process.stdout.read(6) == b"def f("
     process.stdout.close()
@@ -120,3 +130,40 @@ def test_prompt_longer_than_context_and_unsupported_model(tmp_path):
     result = run("generate", "x", "--model", str(bad))
     assert result.returncode == 2 and "GPT2LMHeadModel" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_detokenizer_prints_what_decoding_the_whole_output_prints():
+    """The CLI's incremental detokenizer (a window of the last ids) against the old rule:
+    decode every id so far, print what is new unless it ends in a partial character."""
+    from tokenizers import Tokenizer
+
+    from jaxkv.cli import Detokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(embedded_model_path(), "tokenizer.json"))
+    text = "def f(x):\n    return x  # é, ∑, 😀, 汉字\n\tif  x  >=  0 :\n"
+    rng = __import__("numpy").random.default_rng(0)
+    encoded = tokenizer.encode(text).ids
+    random_ids = [rng.integers(0, tokenizer.get_vocab_size(), 60).tolist() for _ in range(20)]
+    for ids in [encoded, *random_ids]:
+        detokenizer, printed, got = Detokenizer(tokenizer), "", ""
+        for n, token in enumerate(ids, 1):
+            got += detokenizer.push(token)
+            whole = tokenizer.decode(ids[:n])
+            if not whole.endswith("\ufffd") and whole.startswith(printed):
+                printed = whole
+            assert got == printed, (ids[:n], got, printed)
+        if ids is encoded:  # multi-byte characters split across tokens come out whole
+            assert got == text
+
+
+def test_compilation_cache_dir(monkeypatch):
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    assert compilation_cache_dir() is None  # the opt-out
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "/some/dir")
+    assert compilation_cache_dir() == "/some/dir"
+    monkeypatch.delenv("JAXKV_COMPILATION_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert compilation_cache_dir() == "/xdg/jaxkv/xla"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert compilation_cache_dir() == "/home/someone/.cache/jaxkv/xla"

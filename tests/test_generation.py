@@ -1,5 +1,7 @@
 """jaxkv.generate / jaxkv.stream: sampling, EOS, bucketing and compile counts."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,24 +97,33 @@ def test_new_prompt_length_in_same_bucket_compiles_nothing(model):
     assert out.tokens.shape == (2, 6)
 
 
-def test_stream_equals_generate_and_donates(model):
+@pytest.mark.parametrize("tokens_per_call", [1, 4])
+def test_stream_equals_generate_and_donates(model, tokens_per_call):
+    """One prefill call, then decode calls of up to tokens_per_call steps; the rows stop on
+    their EOS at different steps and the last call ends early: the tokens are generate's,
+    and each call donated the cache it got."""
     prompts, padded = ragged(np.random.default_rng(6), [4, 2])
-    key = jax.random.key(11)
-    want = generate(model, padded, 9, prompt_lengths=np.array([4, 2]), sampling=SAMPLED, key=key, eos_token_id=5)
-    s = stream(model, padded, 9, prompt_lengths=np.array([4, 2]), sampling=SAMPLED, key=key, eos_token_id=5)
+    key, lengths = jax.random.key(11), np.array([4, 2])
+    run = partial(generate, model, padded, 9, prompt_lengths=lengths, sampling=SAMPLED, key=key)
+    free = np.asarray(run(eos_token_id=[VOCAB, VOCAB + 1]).tokens)  # ids no row emits: the same program
+    eos = [int(free[0, 5]), int(free[1, 6])]  # row 0 stops by step 5, row 1 by step 6
+    want = run(eos_token_id=eos)
+    s = stream(model, padded, 9, prompt_lengths=lengths, sampling=SAMPLED, key=key, eos_token_id=eos,
+               tokens_per_call=tokens_per_call)
     it = iter(s)
-    steps = [next(it)]
-    previous = s.cache
+    steps, caches = [next(it)], [s.cache]
     for tokens in it:
-        assert previous.keys.is_deleted()  # the decode step donated the cache
-        previous = s.cache
+        if s.cache is not caches[-1]:
+            assert caches[-1].keys.is_deleted()  # the decode call donated the cache
+            caches.append(s.cache)
         steps.append(tokens)
     got = np.stack(steps, axis=1)
     n = got.shape[1]
     np.testing.assert_array_equal(got, np.asarray(want.tokens)[:, :n])
-    assert n == int(np.max(want.lengths)) > 1
+    assert n == int(np.max(want.lengths)) > 1 and n < 9
+    assert len(caches) == 1 + -(-(n - 1) // tokens_per_call)
     # Each row stored its prompt and every fed-back token up to its stop.
-    np.testing.assert_array_equal(s.cache.seq_lengths(0), np.array([4, 2]) + np.asarray(want.lengths) - 1)
+    np.testing.assert_array_equal(s.cache.seq_lengths(0), lengths + np.asarray(want.lengths) - 1)
 
 
 @pytest.mark.parametrize(
@@ -190,3 +201,9 @@ def test_chunked_prefill_bounds_the_programs_temporaries(model):
 def test_bad_prefill_chunk_size(model, bad):
     with pytest.raises(ValueError, match="prefill_chunk_size must be None or a Python int >= 1"):
         generate(model, np.ones((1, 40), np.int32), 2, prefill_chunk_size=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_tokens_per_call(model, bad):
+    with pytest.raises(ValueError, match="tokens_per_call must be a Python int >= 1"):
+        stream(model, np.ones((1, 4), np.int32), 2, tokens_per_call=bad)

@@ -1,0 +1,234 @@
+"""The demo's cost (``make demo``: ``python -m jaxkv generate "def fibonacci(" --max-new-tokens 120``).
+
+Two tables, all figures from this one run (the machines here are shared: compare ratios):
+
+* Stream rate, in this process, on the embedded model with the demo's sampling
+  (temperature 0.8, top-k 40, top-p 0.95, seed 0) and no stop token, after a warm-up
+  iteration (so nothing compiles while timed), best of R iterations:
+
+  - ``old``: the path before issue 17, rebuilt here: one jitted decode step per token, the
+    token copied to the host, padded, copied back, and the whole output detokenized again
+    for every token;
+  - ``stream k=1``: :func:`jaxkv.stream` with one step per device call, the CLI's
+    incremental detokenizer;
+  - ``stream k=16``: the CLI's setting (16 steps per device call);
+  - ``device only``: the same 16-step decode calls with no host work between them: the
+    floor the stream approaches. The greedy rows show how much of it is sampling
+    (top-k/top-p sort and the Gumbel draw over the 4096-token vocabulary).
+
+* Cold start: ``python -m jaxkv generate`` in fresh subprocesses, time from launch to the
+  first generated character on stdout and to exit, without the compilation cache
+  (``JAXKV_COMPILATION_CACHE=0``), with an empty cache directory (the first run fills it),
+  and with the filled one. Best of R for each.
+
+    python benchmarks/bench_demo.py            # writes benchmarks/results/demo.json
+    python benchmarks/bench_demo.py --quick    # fewer tokens and repeats, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import machine, print_table, write_json  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxkv.cli import Detokenizer, embedded_model_path  # noqa: E402
+from jaxkv.generation import _prepare, decode_step, init_model_cache, prefill, stream  # noqa: E402
+from jaxkv.models import from_pretrained  # noqa: E402
+from jaxkv.sampling import SamplingConfig  # noqa: E402
+
+PROMPT = "def fibonacci("
+DEMO_SAMPLING = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95)
+GREEDY = SamplingConfig()
+
+
+def old_stream(model, ids, max_new_tokens, sampling, key):
+    """The stream and CLI loop before issue 17: one donated jitted step per token, a host
+    round trip per token, the whole output detokenized again per token. Yields text."""
+    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+        model, ids, max_new_tokens, None, key, None, 0, sampling, True, 512, "old"
+    )
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+
+    def run_prefill(leaves, input_ids, prompt_lengths, cache, row_keys):
+        return prefill(graphdef, jax.tree.unflatten(treedef, leaves), input_ids, prompt_lengths, cache, row_keys,
+                       sampling, chunk)
+
+    def run_step(leaves, tokens, cache, row_keys, step, active):
+        return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), tokens, cache, row_keys, step, sampling,
+                           active)
+
+    jit_prefill = jax.jit(run_prefill, donate_argnames="cache")
+    jit_step = jax.jit(run_step, donate_argnames="cache")
+    stop = set(np.asarray(stop_ids).tolist())
+
+    def run(tokenizer):
+        cache = init_model_cache(model, 1, ids.shape[1] + max_new_tokens)
+        tokens, cache = jit_prefill(leaves, ids, lengths, cache, row_keys)
+        done = np.zeros((1,), bool)
+        generated, printed = [], ""
+        for step in range(max_new_tokens):
+            if step:
+                tokens, cache = jit_step(leaves, tokens, cache, row_keys, jnp.int32(step), jnp.asarray(~done))
+            host = np.asarray(tokens).copy()
+            host[done] = 0
+            tokens = jnp.asarray(host)
+            done = done | np.isin(host, list(stop))
+            generated.append(int(host[0]))
+            text = tokenizer.decode(generated)
+            if not text.endswith("\ufffd") and text.startswith(printed):
+                yield text[len(printed):]
+                printed = text
+
+    return run
+
+
+def new_stream(model, ids, max_new_tokens, sampling, key, tokens_per_call):
+    """The CLI's loop now: jaxkv.stream and the incremental detokenizer. Yields text."""
+    s = stream(model, ids, max_new_tokens, sampling=sampling, key=key, tokens_per_call=tokens_per_call)
+
+    def run(tokenizer):
+        detokenizer = Detokenizer(tokenizer)
+        for tokens in s:
+            text = detokenizer.push(int(tokens[0]))
+            if text:
+                yield text
+
+    return run
+
+
+def device_only(model, ids, max_new_tokens, sampling, key, tokens_per_call):
+    """The stream's decode calls back to back, nothing on the host but the call loop."""
+    s = stream(model, ids, max_new_tokens, sampling=sampling, key=key, tokens_per_call=tokens_per_call)
+    _, lengths, row_keys, stop_ids, pad_id, _, _, chunk = s._args
+
+    def run(tokenizer):
+        last, cache = s._prefill(s._leaves, s._args[0], lengths, s._empty_cache(), row_keys, sampling=sampling,
+                                 chunk_size=chunk)
+        done, limit = jnp.zeros((1,), bool), jnp.int32(max_new_tokens)
+        for step in range(1, max_new_tokens, tokens_per_call):
+            tokens, _, last, cache, done = s._decode(
+                s._leaves, last, cache, row_keys, jnp.int32(step), done, stop_ids, jnp.int32(pad_id), limit,
+                sampling=sampling, num_steps=tokens_per_call,
+            )
+        tokens.block_until_ready()
+        yield from ()
+
+    return run
+
+
+def time_stream(run, tokenizer, tokens, repeats):
+    """Best tokens/s over ``repeats`` iterations, timed from the second token on (the first
+    is the prefill, the same in every path), text written to a StringIO as the CLI does."""
+    best = 0.0
+    for i in range(repeats + 1):  # the first iteration compiles
+        out = io.StringIO()
+        start = time.perf_counter()
+        for text in run(tokenizer):
+            out.write(text)
+        elapsed = time.perf_counter() - start
+        if i:
+            best = max(best, (tokens - 1) / elapsed)
+    return best
+
+
+def stream_table(tokens: int, repeats: int) -> list[dict]:
+    loaded = from_pretrained(embedded_model_path())
+    ids = jnp.asarray([loaded.tokenizer.encode(PROMPT).ids], jnp.int32)
+    key = jax.random.key(0)
+    rows = []
+    for name, sampling in (("demo sampling", DEMO_SAMPLING), ("greedy", GREEDY)):
+        paths = {
+            "old": old_stream(loaded.model, ids, tokens, sampling, key),
+            "stream k=1": new_stream(loaded.model, ids, tokens, sampling, key, 1),
+            "stream k=16": new_stream(loaded.model, ids, tokens, sampling, key, 16),
+            "device only k=16": device_only(loaded.model, ids, tokens, sampling, key, 16),
+        }
+        rates = {path: time_stream(run, loaded.tokenizer, tokens, repeats) for path, run in paths.items()}
+        for path, rate in rates.items():
+            rows.append(dict(sampling=name, path=path, tokens_per_s=rate, ms_per_token=1e3 / rate,
+                             vs_old=rate / rates["old"]))
+    return rows
+
+
+def cold_run(env: dict) -> tuple[float, float, str]:
+    """(seconds to the first generated character, seconds to exit, the summary line)."""
+    command = [sys.executable, "-m", "jaxkv", "generate", PROMPT, "--max-new-tokens", "120"]
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    echoed = process.stdout.read(len(PROMPT.encode()))
+    assert echoed == PROMPT.encode(), echoed
+    first = process.stdout.read(1)
+    first_token = time.perf_counter() - start
+    rest = process.stdout.read()
+    stderr = process.stderr.read()
+    if process.wait() != 0 or not first:
+        raise RuntimeError(f"jaxkv generate failed: {stderr.decode()}")
+    total = time.perf_counter() - start
+    summary = (first + rest).decode().strip().splitlines()[-1]
+    return first_token, total, summary
+
+
+def cold_table(repeats: int) -> list[dict]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-xla-") as directory:
+        cases = [
+            ("no compilation cache", {**env, "JAXKV_COMPILATION_CACHE": "0"}, repeats),
+            ("empty cache (first run)", {**env, "JAXKV_COMPILATION_CACHE": directory}, 1),
+            ("filled cache", {**env, "JAXKV_COMPILATION_CACHE": directory}, repeats),
+        ]
+        for name, case_env, n in cases:
+            runs = [cold_run(case_env) for _ in range(n)]
+            first, total = min(r[0] for r in runs), min(r[1] for r in runs)
+            rows.append(dict(case=name, first_token_s=first, total_s=total, runs=n, summary=runs[-1][2]))
+    base = rows[0]
+    for row in rows:
+        row["first_token_vs_no_cache"] = row["first_token_s"] / base["first_token_s"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats; writes nothing")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per timed stream (default 512)")
+    args = parser.parse_args()
+    tokens = args.tokens or (128 if args.quick else 512)
+    repeats = 2 if args.quick else 5
+
+    print(f"## Stream rate, embedded model, {tokens} tokens, best of {repeats} (tokens/s from the second token)")
+    stream_rows = stream_table(tokens, repeats)
+    print_table(
+        ["sampling", "path", "tokens/s", "ms/token", "vs old"],
+        [[r["sampling"], r["path"], f"{r['tokens_per_s']:.0f}", f"{r['ms_per_token']:.3f}", f"{r['vs_old']:.2f}x"]
+         for r in stream_rows],
+    )
+    print()
+    print(f"## Cold start: python -m jaxkv generate {PROMPT!r} --max-new-tokens 120, best of {repeats}")
+    cold_rows = cold_table(repeats)
+    print_table(
+        ["compilation cache", "first token (s)", "exit (s)", "first token vs no cache"],
+        [[r["case"], f"{r['first_token_s']:.2f}", f"{r['total_s']:.2f}", f"{r['first_token_vs_no_cache']:.2f}x"]
+         for r in cold_rows],
+    )
+    print(f"last summary line: {cold_rows[-1]['summary']}")
+    if not args.quick:
+        write_json(os.path.join(os.path.dirname(__file__), "results", "demo.json"),
+                   dict(machine=machine(), tokens=tokens, repeats=repeats, stream=stream_rows, cold_start=cold_rows))
+
+
+if __name__ == "__main__":
+    main()
