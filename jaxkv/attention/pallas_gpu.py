@@ -292,7 +292,7 @@ def _xla_path(queries, view, q_positions, sliding_window, logit_softcap, scale):
         return blockwise_attend(queries, view.keys, view.values, layer_idx=view.layer, kv_lengths=view.lengths,
                                 implementation="xla", kv_dtype=view.dtype, **options)
     if isinstance(view, PagedView):
-        return paged_blockwise_attend(queries, view, **options)
+        return paged_blockwise_attend(queries, view, implementation="xla", **options)
     return quantized_blockwise_attend(queries, view, **options)
 
 
