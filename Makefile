@@ -41,6 +41,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_persist.py
+	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_offload.py
 	$(PY) benchmarks/bench_scale.py
 
