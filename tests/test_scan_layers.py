@@ -60,12 +60,12 @@ def primitives(jaxpr) -> list[str]:
     return [eqn.primitive.name for eqn in jaxpr.eqns]
 
 
-def step_jaxpr(num_layers, *, scan_layers=True, **overrides):
+def step_jaxpr(num_layers, *, scan_layers=True, kind="static", **overrides):
     """The decode step's jaxpr, traced from abstract weights (nothing is initialised)."""
     config = LlamaConfig.tiny(num_layers=num_layers, **overrides)
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), scan_layers=scan_layers))
     graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: model.init_cache(2, 16, dtype=jnp.float32))
+    cache = jax.eval_shape(lambda: model.init_cache(2, 16, dtype=jnp.float32, kind=kind))
     tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
     return jax.make_jaxpr(lambda s, t, c: decode_step(graphdef, s, t, c))(state, tokens, cache).jaxpr
 
@@ -89,6 +89,17 @@ def test_windowed_pattern_scans_its_unit():
     assert count_equations(four) == count_equations(six)
 
 
+def test_two_storage_hybrid_cache_scans_its_unit():
+    """A HybridCache keeps full and sliding layers in two storages of different shapes and
+    takes only Python layer indices; the model carries them as two one-storage caches and
+    scans the (sliding, full) unit: the program is the same size at 4 and 6 layers."""
+    four, six = (
+        step_jaxpr(n, kind="hybrid", sliding_window=W, sliding_layers=(True, False) * (n // 2)) for n in (4, 6)
+    )
+    assert primitives(four).count("scan") == primitives(six).count("scan") == 1
+    assert count_equations(four) == count_equations(six)
+
+
 def test_layer_plan():
     full, slide = None, W
     assert layer_plan((full,) * 16) == ((0, 1, 16),)
@@ -97,6 +108,8 @@ def test_layer_plan():
     assert layer_plan((full,) * 3 + (slide,) * 5) == ((0, 1, 3), (3, 1, 5))  # Qwen2 max_window_layers
     assert layer_plan((full, slide) * 3) == ((0, 2, 3),)
     assert layer_plan((full,)) == ((0, 1, 1),)
+    # Kinds are any comparable description: (window, cache storage) for a hybrid cache.
+    assert layer_plan(((slide, 1), (full, 0)) * 2) == ((0, 2, 2),)
 
 
 CASES = {  # layers, config overrides, cache kind
@@ -104,7 +117,8 @@ CASES = {  # layers, config overrides, cache kind
     "llama, int8": (2, {}, "quantized"),
     "qwen3 pattern, static": (4, dict(qk_norm=True, qkv_bias=True, out_bias=True, sliding_window=W,
                                       sliding_layers=(True, False, True, False)), "static"),
-    "mistral, hybrid (all sliding: one ring storage)": (2, dict(sliding_window=W, sliding_layers=(True,) * 2), "hybrid"),
+    "qwen2 runs, hybrid (two storages)": (
+        4, dict(qkv_bias=True, sliding_window=W, sliding_layers=(False, False, True, True)), "hybrid"),
 }
 
 
@@ -126,17 +140,22 @@ def test_scanned_logits_equal_unrolled_reference(case):
     got, want = nnx.jit(run)(model, tokens), nnx.jit(run)(reference, tokens)
     for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), **TOL)
-    # Scan against unrolled, not unrolled against itself: every pass of the model scans.
+    # Scan against unrolled, not unrolled against itself: every pass scans every segment.
+    windows = tuple(W if sliding else None for sliding in model.config.sliding_layers)
+    segments = sum(repeats > 1 for _, _, repeats in layer_plan(windows))
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s: run(nnx.merge(graphdef, s), tokens))(state).jaxpr
-    assert primitives(jaxpr).count("scan") == (3 if uncached else 2)
+    assert segments >= 1
+    assert primitives(jaxpr).count("scan") == (3 if uncached else 2) * segments
 
 
-@pytest.mark.parametrize("kind", ["static", "quantized"])
+@pytest.mark.parametrize("kind", ["static", "quantized", "hybrid"])
 def test_donated_model_decode_step_copies_no_cache_buffer(kind):
     """Design trap 4: the scan carries the cache; a stacked cache scanned as xs and
-    re-emitted as ys (or a pass-through) would show as a copy of a cache-sized buffer."""
-    model = make_model(4)
+    re-emitted as ys (or a pass-through) would show as a copy of a cache-sized buffer. The
+    hybrid cache's two storages travel the scan as two caches and are put back whole."""
+    windowed = dict(sliding_window=W, sliding_layers=(True, False) * 2) if kind == "hybrid" else {}
+    model = make_model(4, **windowed)
     graphdef, state = nnx.split(model)
     traces = []
 

@@ -324,21 +324,21 @@ class Block(nnx.Module):
         return x, cache
 
 
-def layer_plan(windows: tuple[int | None, ...]) -> tuple[tuple[int, int, int], ...]:
+def layer_plan(kinds: tuple[Any, ...]) -> tuple[tuple[int, int, int], ...]:
     """How :class:`Llama` runs its layers: ``(start, unit, repeats)`` segments.
 
-    Layers ``start .. start + unit * repeats`` repeat a unit of ``unit`` layers whose
-    windows (``windows[i]``: layer i's sliding window, None for full attention) match;
-    each segment is one ``lax.scan`` of ``repeats`` steps over an unrolled unit, so what is
-    compiled grows with the unit, not with the depth. A uniform model is one segment
-    ``(0, 1, L)``; Gemma-like ``5 sliding + 1 full`` patterns scan the 6-layer unit; Qwen2's
-    ``max_window_layers`` (full layers, then sliding ones) gives one segment per run.
-    Each segment covers the most layers it can (the shorter unit on a tie); a layer no
-    unit repeats over is a segment of its own with ``repeats == 1``.
+    ``kinds[i]`` is whatever must be static about layer i (its sliding window, the cache
+    storage it lives in); layers ``start .. start + unit * repeats`` repeat a unit of
+    ``unit`` layers of equal kinds, and each segment is one ``lax.scan`` of ``repeats``
+    steps over an unrolled unit, so what is compiled grows with the unit, not with the
+    depth. A uniform model is one segment ``(0, 1, L)``; Gemma-like ``5 sliding + 1 full``
+    patterns scan the 6-layer unit; Qwen2's ``max_window_layers`` (full layers, then sliding
+    ones) gives one segment per run. Each segment covers the most layers it can (the
+    shorter unit on a tie); a layer no unit repeats over is a segment with ``repeats == 1``.
     """
-    plan, start, num_layers = [], 0, len(windows)
+    plan, start, num_layers = [], 0, len(kinds)
     while start < num_layers:
-        rest = windows[start:]
+        rest = kinds[start:]
         best_unit, best_repeats = 1, 1
         for unit in range(1, len(rest) // 2 + 1):
             repeats = 1
@@ -351,9 +351,34 @@ def layer_plan(windows: tuple[int | None, ...]) -> tuple[tuple[int, int, int], .
     return tuple(plan)
 
 
-def _scannable(cache: Any) -> bool:
-    """Whether the cache takes a traced layer index (one storage; see KVCache)."""
-    return cache is None or (isinstance(cache, KVCache) and len(cache.stores) == 1)
+def _storage_caches(cache: KVCache) -> tuple[tuple[KVCache, ...], Any]:
+    """One single-storage cache per storage of ``cache`` (each takes a traced layer index),
+    and the function that puts them back together.
+
+    A ``HybridCache`` keeps full and sliding layers in storages of different shapes, so its
+    own layer index must be a Python int; its storages taken one at a time are ordinary
+    one-storage caches (layer ``i`` of storage ``g`` is the i-th layer of that kind), which
+    a scan can index with a traced layer number. They share the rows' flags: each part
+    starts from the cache's, and the merge ORs what every part added. Only the small
+    length and flag arrays are gathered and scattered; the storages pass through whole.
+    """
+    if len(cache.stores) == 1:
+        return (cache,), lambda parts: parts[0]
+    layers = [np.array([i for i, g in enumerate(cache.groups) if g == store]) for store in range(len(cache.stores))]
+    parts = tuple(
+        KVCache(stores=(store,), lengths=cache.lengths[idx], flags=cache.flags, groups=(0,) * len(idx),
+                sharding=cache.sharding)
+        for store, idx in zip(cache.stores, layers)
+    )
+
+    def merge(parts):
+        lengths, flags = cache.lengths, cache.flags
+        for part, idx in zip(parts, layers):
+            lengths = lengths.at[idx].set(part.lengths)
+            flags = flags | part.flags
+        return dataclasses.replace(cache, stores=tuple(p.stores[0] for p in parts), lengths=lengths, flags=flags)
+
+    return parts, merge
 
 
 # --------------------------------------------------------------------------- model
@@ -371,16 +396,23 @@ class Llama(nnx.Module):
     The layers run as ``lax.scan`` over the stacked weights, carrying the hidden states and
     the cache (never scanning the cache as ``xs``/``ys``, which would copy it), so the
     compiled program holds one layer body however deep the model is (see
-    :func:`layer_plan` for sliding-window patterns). A cache whose layers live in storages
-    of different shapes (``HybridCache``) or a ``DynamicCache`` needs a Python layer index:
-    for those the layers are unrolled, and compile time grows with depth.
+    :func:`layer_plan` for sliding-window patterns). A ``HybridCache`` keeps full and
+    sliding layers in storages of different shapes and takes only Python layer indices;
+    the scan carries its storages as separate one-storage caches (each indexed by a traced
+    layer number) and scans the repeating (sliding, full) unit. A ``DynamicCache`` (its
+    shapes grow per layer) is the one kind whose layers are unrolled.
+
+    On XLA:CPU a layer's weights sliced out of the stacked arrays inside the loop are
+    copied (a dot cannot read a dynamic slice in place), so a weight-bound decode step
+    costs more than with per-layer arrays; ``benchmarks/bench_compile.py`` measures it.
 
     Args:
         config: the :class:`LlamaConfig`.
         param_dtype: dtype of every parameter (and hence of the computation).
         rngs: initialisation randomness.
         scan_layers: False unrolls the layers for every cache (the reference the scan is
-            tested against; compile time then grows with depth).
+            tested against; compile time then grows with depth, and on XLA:CPU the static
+            slices of the stacked weights make the step slow: a reference, not a mode).
     """
 
     def __init__(
@@ -570,30 +602,46 @@ class Llama(nnx.Module):
         windows = tuple(config.sliding_window if s else None for s in config.sliding_layers)
         graphdef, weights = nnx.split(self.layers)
 
-        def run(layer, window, carry):  # layer: a Python int, or a traced int32 inside a scan
+        def run(layer, window, x, cache, cache_layer):  # layer, cache_layer: Python ints or traced int32
             block = nnx.merge(graphdef, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, False), weights))
             return block(
-                *carry, layer_idx=layer, sliding_window=window, positions=positions, num_new=num_new, rope=rope
+                x, cache, layer_idx=cache_layer, sliding_window=window, positions=positions, num_new=num_new, rope=rope
             )
 
-        carry = (x, cache)
-        if not (self.scan_layers and _scannable(cache)):
+        if not (self.scan_layers and (cache is None or isinstance(cache, KVCache))):
             for i in range(config.num_layers):
                 with jax.named_scope(f"layer_{i}"):
-                    carry = run(i, windows[i], carry)
-            return carry
-        for start, unit, repeats in layer_plan(windows):
+                    x, cache = run(i, windows[i], x, cache, i)
+            return x, cache
+
+        # Layer i writes layer local[i] of storage groups[i] (both static).
+        groups = (0,) * config.num_layers if cache is None else cache.groups
+        local = [groups[:i].count(groups[i]) for i in range(config.num_layers)]
+        parts, merge = ((None,), lambda parts: None) if cache is None else _storage_caches(cache)
+
+        def run_layer(layer, start, unit, step, carry):
+            # Layer ``start + step * unit + j`` (j = layer - start, static); with step traced.
+            x, parts = carry
+            g = groups[layer]
+            per_unit = groups[start : start + unit].count(g)
+            x, part = run(start + step * unit + (layer - start), windows[layer], x, parts[g],
+                          local[layer] + step * per_unit)
+            return x, parts[:g] + (part,) + parts[g + 1:]
+
+        carry = (x, parts)
+        for start, unit, repeats in layer_plan(tuple(zip(windows, groups))):
             if repeats == 1:  # nothing repeats here: static indices, no loop
                 for i in range(start, start + unit):
                     with jax.named_scope(f"layer_{i}"):
-                        carry = run(i, windows[i], carry)
+                        carry = run_layer(i, start, unit, 0, carry)
                 continue
 
             def body(carry, step, start=start, unit=unit):
-                for j in range(unit):
-                    carry = run(start + step * unit + j, windows[start + j], carry)
+                for layer in range(start, start + unit):
+                    carry = run_layer(layer, start, unit, step, carry)
                 return carry, None
 
             with jax.named_scope(f"layers_{start}_{start + unit * repeats}"):
                 carry, _ = jax.lax.scan(body, carry, jnp.arange(repeats, dtype=jnp.int32))
-        return carry
+        x, parts = carry
+        return x, merge(parts)
