@@ -4,7 +4,8 @@ The reference is independent of any cache: greedy continuation computed with ful
 (uncached) attention over the whole sequence (``greedy_reference``). The model has a
 sliding layer and a full one, so ``"hybrid"`` runs a ring and a contiguous storage side by
 side (and speculative decoding rolls both back); ``"quantized"`` reads int8 keys/values
-block by block. The model (seed, ``scale``) is picked so that every greedy choice along the
+block by block; ``"paged"`` keeps them in pages of a shared pool (the serving loop puts
+prefilled rows into it page by page, speculative rollback returns pages). The model (seed, ``scale``) is picked so that every greedy choice along the
 reference wins by a logit margin of at least 1 (the ``reference`` fixture asserts it): int8
 keys/values move these logits by far less, so the quantized runs must match exactly too.
 """
@@ -21,12 +22,12 @@ V, N = 64, 8
 PROMPTS = [[5, 9, 2, 7, 1, 3], [8, 4, 6]]
 IDS = np.array([p + [0] * (6 - len(p)) for p in PROMPTS], np.int32)
 LENGTHS = np.array([len(p) for p in PROMPTS], np.int32)
-KINDS = ["hybrid", "quantized"]
+KINDS = ["hybrid", "quantized", "paged"]
 
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model(seed=7, scale=10.0, vocab_size=V, num_layers=2, sliding_window=3, sliding_layers=(True, False))
+    return make_model(seed=29, scale=10.0, vocab_size=V, num_layers=2, sliding_window=3, sliding_layers=(True, False))
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,12 @@ def test_chunked_prefill_then_decode(model, reference, kind):
         logits, cache = model(jnp.asarray(tokens[-1])[:, None], cache)
         tokens.append(np.asarray(logits[:, 0].argmax(-1)))
     np.testing.assert_array_equal(np.stack(tokens, 1), reference)
+
+
+def test_beam_search_on_pages_equals_the_static_cache(model):
+    """Beams fork and reorder every step: on pages they share their prefix pages and copy
+    only a page they write into while shared; the search must not notice."""
+    static = beam_search(model, IDS, N, num_beams=3, prompt_lengths=LENGTHS)
+    paged = beam_search(model, IDS, N, num_beams=3, prompt_lengths=LENGTHS, cache_kind="paged")
+    np.testing.assert_array_equal(np.asarray(paged.sequences), np.asarray(static.sequences))
+    np.testing.assert_allclose(np.asarray(paged.scores), np.asarray(static.scores), rtol=1e-5, atol=1e-5)

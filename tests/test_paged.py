@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache
+from jaxkv import OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache, StaticCache
 from jaxkv.attention import attend_view
 from reference import numpy_attention
 
@@ -113,6 +113,27 @@ def test_beam_reorder_shares_and_frees_pages():
     assert out.free_pages == 9 - 4
     out = write_all(out, states(rng, 3, 3))  # rows 0 and 1 share a half-full page
     assert_accounting(out)
+
+
+def test_beams_in_a_pool_of_one_page_per_beam_never_run_out():
+    """Beam search's pattern: fan out, then reorder (with repeats) and write a token each
+    step. With the page a row writes into shared, one holder keeps it and the others copy,
+    so B * K pages always suffice; attention equals a StaticCache doing the same."""
+    rng = np.random.default_rng(11)
+    batch, beams = 2, 3
+    pages = paged(batch=batch, max_length=PS * 3, num_pages=batch * beams * 3)
+    static = StaticCache.init(num_layers=L, batch_size=batch, num_kv_heads=H, head_dim=D, max_length=PS * 3)
+    k = states(rng, batch, 6)
+    pages, static = (write_all(c, k, jnp.array([6, 3])).batch_repeat_interleave(beams) for c in (pages, static))
+    for _ in range(5):
+        idx = jnp.asarray(np.concatenate([rng.integers(0, beams, beams) + b * beams for b in range(batch)]))
+        step = states(rng, batch * beams, 1)
+        pages, static = (write_all(c.reorder_cache(idx), step) for c in (pages, static))
+        assert not np.asarray(pages.flags).any()
+        assert_accounting(pages)
+        q = jnp.asarray(rng.standard_normal((batch * beams, HQ, 1, D)), jnp.float32)
+        for got, want in zip(_attend_all(pages, q), _attend_all(static, q)):
+            np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def test_out_of_pages_is_an_error_eagerly_and_a_flag_under_jit():

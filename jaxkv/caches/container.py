@@ -28,7 +28,8 @@ be one ``tree_map``. It implements:
   must see something other than the storage after the write (a ring overwritten by a
   long chunk), else None; and ``stored`` when some rows stored fewer tokens than asked
   for another reason than capacity (a paged pool out of pages: those rows get
-  ``OUT_OF_PAGES``);
+  ``OUT_OF_PAGES``). A storage with ``WANTS_ALL_LENGTHS = True`` also gets
+  ``all_lengths=`` (the lengths ``[L, B]`` of every layer before the write);
 * ``view(layer, lengths)`` -> a view of :mod:`jaxkv.caches.views`;
 * ``crop(old, new)`` -> ``(storage, lost bool[L_g, B])`` and ``reset_rows(rows)`` for
   layout state beyond the lengths (a ring's first held position, a residual's positions);
@@ -278,7 +279,8 @@ class KVCache:
                     "max_length, or crop the row first."
                 )
         count = jnp.where(layer_ok, count, 0)
-        written = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count)
+        extra = {"all_lengths": self.lengths} if getattr(store, "WANTS_ALL_LENGTHS", False) else {}
+        written = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count, **extra)
         new_store, view = written[:2]
         flags = self.flags | _flag(invalid_row | jnp.logical_not(layer_ok), INVALID)
         if len(written) > 2:  # rows the storage could not take (a paged pool out of pages)

@@ -95,7 +95,7 @@ def _beam_search(
     n, k = max_new_tokens, num_beams
     keep = 2 * k  # HF: max(2, 1 + number of EOS ids) * num_beams
     # Each step feeds the chosen tokens (the last one too, whose logits go unused).
-    cache = init_model_cache(model, batch, prompt_len + n, cache_dtype, cache_kind)
+    cache = init_model_cache(model, batch, prompt_len + n, cache_dtype, cache_kind, fanout=k)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
     logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), k, axis=0)  # [B*K, V]
     cache = cache.batch_repeat_interleave(k)

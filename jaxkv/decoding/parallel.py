@@ -51,7 +51,7 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
     batch, prompt_len = input_ids.shape
     n = keys.shape[1]
     # The last sampled token is never fed back, so it needs no slot.
-    cache = init_model_cache(model, batch, prompt_len + max_new_tokens - 1, cache_dtype, cache_kind)
+    cache = init_model_cache(model, batch, prompt_len + max_new_tokens - 1, cache_dtype, cache_kind, fanout=n)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
     logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), n, axis=0)  # [B*n, V]
     cache = cache.batch_repeat_interleave(n)
