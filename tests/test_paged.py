@@ -246,3 +246,20 @@ def test_bad_arguments():
         paged(bits=3)
     with pytest.raises(ValueError, match="outside"):
         paged().retain([99])
+
+
+def test_a_step_on_taken_rows_equals_the_step_on_the_whole_cache():
+    """take_rows / merge_rows: a step over some rows (padding included) moves no pages and
+    leaves the cache as the same step over every row with num_new 0 for the others."""
+    rng = np.random.default_rng(12)
+    cache = write_all(paged(batch=3, num_pages=12), states(rng, 3, 5), jnp.array([5, 2, 4]))
+    k = states(rng, 3, 6)
+    rows = jnp.array([2, 0, 3])  # 3: padding (num_new 0), dropped on merge
+    step = jax.jit(lambda c, k, n: c.merge_rows(rows, write_all(c.take_rows(rows), k, n)))
+    got = step(cache, k, jnp.array([6, 1, 0]))
+    want = write_all(cache, k[jnp.array([1, 0, 0])], jnp.array([1, 0, 6]))
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    assert_accounting(got)
+    q = jnp.asarray(rng.standard_normal((3, HQ, 1, D)), jnp.float32)
+    for a, b in zip(_attend_all(got, q), _attend_all(want, q)):
+        np.testing.assert_allclose(a, b, atol=1e-6)

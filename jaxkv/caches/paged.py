@@ -238,7 +238,7 @@ class PagedStorage:
         # ``num_pages``). Without a data dependence XLA may run the pool copy before the
         # previous layer's attention has read the pool, and then keeps that read valid by
         # copying the whole pool: 4 pool copies per 2-layer decode step, measured.
-        sign = jax.lax.bitcast_convert_type(keys.reshape(-1)[0].astype(jnp.float32), jnp.uint32) >> 31
+        sign = jax.lax.bitcast_convert_type(jnp.sum(keys.reshape(-1)[:1].astype(jnp.float32)), jnp.uint32) >> 31
         dst = jnp.minimum(dst, num_pages + sign.astype(jnp.int32))
 
         def copy_pages(_, pools):
@@ -481,6 +481,31 @@ class PagedCache(KVCache):
     def release(self, pages: Any) -> PagedCache:
         """Drops one pin from each of ``pages`` (a page with no holder left is free)."""
         return self._pinned(pages, -1, "PagedCache.release")
+
+    def take_rows(self, rows: Any) -> PagedCache:
+        """A cache of just ``rows`` (int32[N]) that shares this one's pool: no page data
+        moves and no count changes. Run a step on it, then :meth:`merge_rows` it back; in
+        between, use only the sub-cache (its pool and counts are the live ones). Entries
+        ``>= batch_size`` are padding: they read the last row and must write nothing
+        (``num_new`` 0); merging drops them. A serving loop steps only its busy rows this way.
+        """
+        idx = jnp.asarray(rows, jnp.int32)
+        safe = jnp.clip(idx, 0, self.batch_size - 1)
+        store = self.stores[0]
+        sub = dataclasses.replace(store, block_table=store.block_table[safe])
+        return dataclasses.replace(self, stores=(sub,), lengths=self.lengths[:, safe], flags=self.flags[safe])
+
+    def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
+        """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
+        block tables, lengths and flags at ``rows`` (padding entries dropped)."""
+        idx = jnp.asarray(rows, jnp.int32)
+        idx = jnp.where((idx >= 0) & (idx < self.batch_size), idx, self.batch_size)
+        mine, theirs = self.stores[0], sub.stores[0]
+        store = dataclasses.replace(theirs, block_table=mine.block_table.at[idx].set(theirs.block_table, mode="drop"))
+        return dataclasses.replace(
+            self, stores=(store,), lengths=self.lengths.at[:, idx].set(sub.lengths, mode="drop"),
+            flags=self.flags.at[idx].set(sub.flags, mode="drop"),
+        )._constrained()
 
     def attach_prefix(self, row: Any, pages: Any, num_tokens: Any) -> PagedCache:
         """Makes the empty row ``row`` start with the tokens held in ``pages`` (int[N],

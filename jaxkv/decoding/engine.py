@@ -5,12 +5,14 @@ whose pool of ``num_pages`` pages is shared by them, so a request holds pages fo
 tokens it has, not ``max_length`` slots: the pool admits as many requests as its pages
 can hold.
 
-Each step is one compiled call over all rows:
+Each step is one compiled call over the busy rows only (picked out of the cache with
+``take_rows``, which moves block tables, not pages; padded to a bucket of 1, 4, 16, ... up
+to R rows, so a few programs serve every mix):
 
-* **mixed step** (some row has prompt left): a ``[R, C]`` forward where a prefilling row
+* **mixed step** (some row has prompt left): a ``[N, C]`` forward where a prefilling row
   brings its next chunk of up to ``C`` prompt tokens and a generating row its one new
   token (``num_new`` per row: chunked prefill rides along with decoding);
-* **decode step** (nobody prefilling): ``[R, 1]``.
+* **decode step** (nobody prefilling): ``[N, 1]``.
 
 Both sample inside the program, per row: greedy at temperature 0, else temperature and
 top-p with the key ``fold_in(PRNGKey(seed), token_index)``: a request's tokens depend on
@@ -85,8 +87,9 @@ class EngineRequest:
 @dataclasses.dataclass(frozen=True)
 class EngineResult:
     """A finished request: its tokens, why it ended (``"stop"`` or ``"length"``), how many
-    prompt tokens came from the prefix cache, how often it was preempted, and the engine
-    steps of admission, first token and last token."""
+    prompt tokens came from the prefix cache, how often it was preempted, the engine
+    steps of admission, first token and last token, and the seconds from the start of the
+    run to its first token."""
 
     id: Any
     tokens: tuple[int, ...]
@@ -96,6 +99,7 @@ class EngineResult:
     admitted_step: int
     first_token_step: int
     finished_step: int
+    first_token_s: float = float("nan")
 
 
 class PrefixIndex:
@@ -185,9 +189,13 @@ _TRACES: collections.Counter = collections.Counter()
 
 
 @partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def _step_program(graphdef, state, cache, tokens, num_new, temperature, top_p, seeds, index):
-    _TRACES[f"step{tokens.shape[1]}"] += 1
-    logits, cache = forward(graphdef, state, tokens, cache, num_new)
+def _step_program(graphdef, state, cache, rows, tokens, num_new, temperature, top_p, seeds, index):
+    # Only the busy rows run: `rows` int32[N] (padding >= R) pick them out of the cache
+    # without moving page data (take_rows / merge_rows share the pool).
+    _TRACES[f"step{tokens.shape[0]}x{tokens.shape[1]}"] += 1
+    sub = cache.take_rows(rows)
+    logits, sub = forward(graphdef, state, tokens, sub, num_new)
+    cache = cache.merge_rows(rows, sub)
     last = jnp.take_along_axis(logits, jnp.clip(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     return _sample_rows(last, temperature, top_p, seeds, index), cache.free_pages, cache
 
@@ -258,6 +266,7 @@ class PagedEngine:
             bits=bits or 8, page_size=self.page_size, num_pages=self.num_pages,
         )
         self.max_pages = self._cache.max_pages
+        self._buckets = sorted({min(4**i, self.max_rows) for i in range(16) if 4 ** (i - 1) < self.max_rows} | {self.max_rows})
         self.prefix = PrefixIndex(self.page_size) if prefix_cache else None
         self._traces_before = collections.Counter(_TRACES)
         self._step = partial(_step_program, self._graphdef)
@@ -267,9 +276,10 @@ class PagedEngine:
 
     @property
     def compile_counts(self) -> dict[str, int]:
-        """Step programs traced (compiled) since this engine was built: ``{"step1": decode,
-        "step<C>": mixed}``; an engine over the same model and sizes as an earlier one
-        reuses its programs (0)."""
+        """Step programs traced (compiled, by this or any engine) since this one was built, by shape
+        ``"step<rows>x<tokens>"`` (rows: a bucket of busy rows, 1, 4, 16, ... up to R;
+        tokens: 1 for decode, C with a prefill); an engine over the same model and sizes as
+        an earlier one reuses its programs."""
         return {k: v - self._traces_before[k] for k, v in _TRACES.items() if v - self._traces_before[k]}
 
     # ---- checks
@@ -320,6 +330,7 @@ class PagedEngine:
         generated: dict[int, list[int]] = {i: [] for i in range(len(requests))}
         preempted = collections.Counter()
         first_step: dict[int, int] = {}
+        first_time: dict[int, float] = {}
         cached_of: dict[int, int] = {}
         admitted_at: dict[int, int] = {}
         in_flight: set[bytes] = set()  # chain keys some row is writing now
@@ -432,26 +443,40 @@ class PagedEngine:
                 del take[victim]
                 active.remove(victim)
 
-            tokens = np.zeros((r_rows, width), np.int32)
-            num_new = np.zeros((r_rows,), np.int32)
-            temperature = np.zeros((r_rows,), np.float32)
-            top_p = np.ones((r_rows,), np.float32)
-            seeds = np.zeros((r_rows,), np.uint32)
-            index = np.zeros((r_rows,), np.int32)
-            for row, k in take.items():
+            counters["peak_rows"] = max(counters["peak_rows"], len(take))  # requests in this step
+            counters["row_steps"] += len(take)
+            if waiting:  # requests wait for rows or pages: the pool is the limit now
+                counters["backlog_steps"] += 1
+                counters["backlog_row_steps"] += len(take)
+            # The busy rows, padded to a bucket (1, 4, 16, ... up to R rows): a handful of
+            # compiled programs, and a step costs what its rows need, not all R.
+            busy = sorted(take)
+            n = next(b for b in self._buckets if b >= len(busy))
+            row_ids = np.full((n,), r_rows, np.int32)
+            tokens = np.zeros((n, width), np.int32)
+            num_new = np.zeros((n,), np.int32)
+            temperature = np.zeros((n,), np.float32)
+            top_p = np.ones((n,), np.float32)
+            seeds = np.zeros((n,), np.uint32)
+            index = np.zeros((n,), np.int32)
+            slot_of = {}
+            for j, row in enumerate(busy):
+                k = take[row]
+                slot_of[row] = j
                 run = rows[row]
                 req = run.request
+                row_ids[j] = row
                 if run.written < len(run.prompt):
-                    tokens[row, :k] = run.prompt[run.written : run.written + k]
+                    tokens[j, :k] = run.prompt[run.written : run.written + k]
                 else:
-                    tokens[row, 0] = generated[run.index][-1]
-                num_new[row] = k
-                temperature[row] = req.temperature
-                top_p[row] = 1.0 if req.top_p is None else req.top_p
-                seeds[row] = np.uint32(req.seed % 2**32)
-                index[row] = len(generated[run.index])
+                    tokens[j, 0] = generated[run.index][-1]
+                num_new[j] = k
+                temperature[j] = req.temperature
+                top_p[j] = 1.0 if req.top_p is None else req.top_p
+                seeds[j] = np.uint32(req.seed % 2**32)
+                index[j] = len(generated[run.index])
             sampled, free_now, self._cache = self._step(
-                self._state, self._cache, tokens, num_new, temperature, top_p, seeds, index
+                self._state, self._cache, row_ids, tokens, num_new, temperature, top_p, seeds, index
             )
             sampled = np.asarray(sampled)
             free = int(free_now)
@@ -469,9 +494,10 @@ class PagedEngine:
                     if run.written < len(run.prompt):
                         continue  # more prompt to go
                 # A token: the first after the prompt, or the next one.
-                token = int(sampled[row])
+                token = int(sampled[slot_of[row]])
                 generated[i].append(token)
                 first_step.setdefault(i, step)
+                first_time.setdefault(i, time.perf_counter() - start)
                 yield (ids[i], token)
                 reason = None
                 if token in run.request.stop_token_ids:
@@ -481,7 +507,7 @@ class PagedEngine:
                 if reason is not None:
                     result = EngineResult(
                         ids[i], tuple(generated[i]), reason, cached_of[i], preempted[i], admitted_at[i],
-                        first_step[i], step,
+                        first_step[i], step, first_time[i],
                     )
                     release_row(row)
                     finished += 1
