@@ -38,6 +38,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_cache_kinds.py
 	$(PY) benchmarks/bench_capacity.py
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_compile.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_speculative.py
 	$(PY) benchmarks/bench_persist.py

@@ -2,8 +2,10 @@
 
 Structure, not time: the decode step's program holds one layer body whatever the depth
 (jaxpr equations counted for 2 vs 4 layers), the scanned model gives the unrolled
-reference's logits on the same weights for every cache kind, the donated decode step
-copies no cache buffer, and the checkpoint tensors map one-to-one onto the stacked layout.
+reference's logits on the same weights (static cache, a windowed pattern, a two-storage
+hybrid cache, no cache), the donated decode step copies no cache buffer, and the
+checkpoint tensors map one-to-one onto the stacked layout. (``tests/test_hf_parity.py``
+checks the scanned model against transformers.)
 """
 
 from __future__ import annotations
@@ -34,11 +36,24 @@ def make_model(num_layers, *, scan_layers=True, seed=0, **overrides):
     return model
 
 
+def per_layer_weights(model) -> dict:
+    """Flat ``{path: array}`` of a model, stacked layer parameters split into ("layers", i, ...)."""
+    flat = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        if model.scan_layers and path[0] == "layers":
+            flat.update({("layers", i) + path[1:]: value[i] for i in range(value.shape[0])})
+        else:
+            flat[path] = value
+    return flat
+
+
 def unrolled_twin(model):
-    """The same weights, layers unrolled (the reference)."""
-    graphdef, state = nnx.split(model)
-    twin = Llama(model.config, rngs=nnx.Rngs(0), scan_layers=False)
-    nnx.update(twin, state)
+    """The same weights in the per-layer layout, layers unrolled (the reference)."""
+    twin = Llama(model.config, rngs=nnx.Rngs(1), scan_layers=False)
+    weights = per_layer_weights(model)
+    for path, var in nnx.to_flat_state(nnx.state(twin)):
+        var.set_value(weights[path])
     return twin
 
 
@@ -114,7 +129,6 @@ def test_layer_plan():
 
 CASES = {  # layers, config overrides, cache kind
     "llama, static": (2, {}, "static"),
-    "llama, int8": (2, {}, "quantized"),
     "qwen3 pattern, static": (4, dict(qk_norm=True, qkv_bias=True, out_bias=True, sliding_window=W,
                                       sliding_layers=(True, False, True, False)), "static"),
     "qwen2 runs, hybrid (two storages)": (
@@ -183,18 +197,35 @@ def test_donated_model_decode_step_copies_no_cache_buffer(kind):
     assert not [line for line in hlo.splitlines() if " copy(" in line and any(shape in line for shape in big)]
 
 
-def test_checkpoint_tensors_fill_the_stacked_layout_exactly_once():
+@pytest.mark.parametrize("stacked", [True, False])
+def test_checkpoint_tensors_fill_each_layout_exactly_once(stacked):
     config = LlamaConfig.tiny(num_layers=3, qk_norm=True, qkv_bias=True)
-    state = nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+    state = nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), scan_layers=stacked)))
     shapes = {path: var.get_value().shape for path, var in nnx.to_flat_state(state)}
     filled = {}
-    for key, path, layer, _ in hf_weight_names(config):
-        if layer is None:
-            assert path[0] != "layers", key
-        else:
-            assert path[0] == "layers" and shapes[path][0] == config.num_layers, key
+    for key, path, layer, _ in hf_weight_names(config, stacked=stacked):
+        if layer is None and path[0] == "layers":  # per-layer layout: ("layers", i, ...)
+            assert not stacked and key.startswith(f"model.layers.{path[1]}."), key
+        elif layer is not None:
+            assert stacked and path[0] == "layers" and shapes[path][0] == config.num_layers, key
             assert key.startswith(f"model.layers.{layer}.")
         filled[path] = filled.get(path, 0) + 1
     # Every parameter filled; a stacked one by each of its L layers exactly once.
     assert set(filled) == set(shapes)
-    assert all(count == (shapes[p][0] if p[0] == "layers" else 1) for p, count in filled.items())
+    assert all(count == (shapes[p][0] if stacked and p[0] == "layers" else 1) for p, count in filled.items())
+
+
+def test_embedded_model_loads_into_both_layouts():
+    """The shipped asset (per-layer HF tensors) loads stacked for the scan, and layer i of
+    every stacked parameter is exactly what the per-layer layout holds."""
+    from jaxkv.cli import embedded_model_path
+    from jaxkv.models import from_pretrained
+
+    stacked = from_pretrained(embedded_model_path(), scan_layers=True).model
+    per_layer = from_pretrained(embedded_model_path(), scan_layers=False).model
+    assert stacked.scan_layers and not per_layer.scan_layers
+    want = per_layer_weights(per_layer)
+    got = per_layer_weights(stacked)
+    assert set(got) == set(want)
+    for path, value in want.items():
+        np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(value), err_msg=str(path))

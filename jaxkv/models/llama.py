@@ -387,46 +387,54 @@ def _storage_caches(cache: KVCache) -> tuple[tuple[KVCache, ...], Any]:
 class Llama(nnx.Module):
     """Llama-family causal LM over a jaxkv cache.
 
-    Parameter names mirror the HF checkpoint (``embed_tokens``, ``layers.self_attn.q_proj``
+    Parameter names mirror the HF checkpoint (``embed_tokens``, ``layers...self_attn.q_proj``
     ...), with ``nnx.Linear`` kernels stored [in, out] (HF stores [out, in]). The decoder
-    layers are one :class:`Block` whose parameters are stacked: HF's
-    ``model.layers.{i}.self_attn.q_proj.weight`` is ``layers.self_attn.q_proj.kernel[i]``
-    (transposed), shape [L, E, Hq * D].
+    layers come in one of two layouts, chosen at construction (``scan_layers``):
 
-    The layers run as ``lax.scan`` over the stacked weights, carrying the hidden states and
-    the cache (never scanning the cache as ``xs``/``ys``, which would copy it), so the
-    compiled program holds one layer body however deep the model is (see
-    :func:`layer_plan` for sliding-window patterns). A ``HybridCache`` keeps full and
-    sliding layers in storages of different shapes and takes only Python layer indices;
-    the scan carries its storages as separate one-storage caches (each indexed by a traced
-    layer number) and scans the repeating (sliding, full) unit. A ``DynamicCache`` (its
-    shapes grow per layer) is the one kind whose layers are unrolled.
+    * stacked (``scan_layers=True``): ``layers`` is one :class:`Block` whose parameters have a
+      leading [L] axis (HF's ``model.layers.{i}.self_attn.q_proj.weight`` is
+      ``layers.self_attn.q_proj.kernel[i]``, transposed: [L, E, Hq * D]), run as
+      ``lax.scan`` over the stacked weights, carrying the hidden states and the cache
+      (never scanning the cache as ``xs``/``ys``, which would copy it). The compiled
+      program holds one layer body however deep the model is (see :func:`layer_plan` for
+      sliding-window patterns). A ``HybridCache`` keeps full and sliding layers in
+      storages of different shapes and takes only Python layer indices: the scan carries
+      its storages as separate one-storage caches, each indexed by a traced layer number,
+      and scans the repeating (sliding, full) unit. A ``DynamicCache`` (shapes that grow
+      per layer) is unrolled.
+    * per layer (``scan_layers=False``): ``layers[i]`` is layer i's :class:`Block`, unrolled
+      in the program. Compile time grows with depth; each weight is its own buffer.
 
-    On XLA:CPU a layer's weights sliced out of the stacked arrays inside the loop are
-    copied (a dot cannot read a dynamic slice in place), so a weight-bound decode step
-    costs more than with per-layer arrays; ``benchmarks/bench_compile.py`` measures it.
+    Why both: XLA:CPU copies a layer's weights out of the stacked arrays on every step of
+    the scan (its dot cannot read a dynamic slice in place), which made a weight-bound CPU
+    decode step 1.3x (the embedded model) to 3.3x (420 MB of weights) slower than per-layer
+    weights (``benchmarks/bench_compile.py``). So the default is the scan off the CPU
+    (GPU/TPU: where XLA feeds a matmul from a slice of the stacked buffer) and per-layer
+    weights on the CPU.
 
     Args:
         config: the :class:`LlamaConfig`.
         param_dtype: dtype of every parameter (and hence of the computation).
-        rngs: initialisation randomness.
-        scan_layers: False unrolls the layers for every cache (the reference the scan is
-            tested against; compile time then grows with depth, and on XLA:CPU the static
-            slices of the stacked weights make the step slow: a reference, not a mode).
+        rngs: initialisation randomness. Both layouts draw the same weights from one seed.
+        scan_layers: the layout above; None: stacked unless ``jax.default_backend()`` is
+            the CPU.
     """
 
     def __init__(
-        self, config: LlamaConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs, scan_layers: bool = True
+        self, config: LlamaConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs, scan_layers: bool | None = None
     ):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype, rngs=rngs)
-        # Built one by one (the same random weights as a list of blocks from the same seed),
-        # then stacked: every parameter of ``layers`` has a leading [L] axis.
+        if scan_layers is None:
+            scan_layers = jax.default_backend() != "cpu"
+        self.scan_layers = bool(scan_layers)
+        # Built one by one in both layouts (the same random weights from the same seed).
         blocks = [Block(config, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
-        graphdef = nnx.graphdef(blocks[0])
-        self.layers = nnx.merge(graphdef, jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(b) for b in blocks)))
-        del blocks
-        self.scan_layers = scan_layers
+        if self.scan_layers:
+            stacked = jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(b) for b in blocks))
+            self.layers = nnx.merge(nnx.graphdef(blocks[0]), stacked)
+        else:
+            self.layers = nnx.List(blocks)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = (
             None
@@ -600,6 +608,14 @@ class Llama(nnx.Module):
         """All decoder layers: a ``lax.scan`` per :func:`layer_plan` segment, or unrolled."""
         config = self.config
         windows = tuple(config.sliding_window if s else None for s in config.sliding_layers)
+        if not self.scan_layers:
+            for i, block in enumerate(self.layers):
+                with jax.named_scope(f"layer_{i}"):
+                    x, cache = block(
+                        x, cache, layer_idx=i, sliding_window=windows[i], positions=positions, num_new=num_new,
+                        rope=rope,
+                    )
+            return x, cache
         graphdef, weights = nnx.split(self.layers)
 
         def run(layer, window, x, cache, cache_layer):  # layer, cache_layer: Python ints or traced int32
@@ -608,7 +624,7 @@ class Llama(nnx.Module):
                 x, cache, layer_idx=cache_layer, sliding_window=window, positions=positions, num_new=num_new, rope=rope
             )
 
-        if not (self.scan_layers and (cache is None or isinstance(cache, KVCache))):
+        if not (cache is None or isinstance(cache, KVCache)):  # a DynamicCache: Python layer indices
             for i in range(config.num_layers):
                 with jax.named_scope(f"layer_{i}"):
                     x, cache = run(i, windows[i], x, cache, i)

@@ -55,15 +55,22 @@ class Pretrained:
     path: str
 
 
-def hf_weight_names(config: LlamaConfig) -> Iterator[tuple[str, tuple[Any, ...], int | None, bool]]:
+def hf_weight_names(
+    config: LlamaConfig, *, stacked: bool = True
+) -> Iterator[tuple[str, tuple[Any, ...], int | None, bool]]:
     """The checkpoint tensors a config needs.
+
+    Args:
+        config: the model config.
+        stacked: the model's layer layout (``Llama.scan_layers``): decoder-layer parameters
+            stacked along a leading [L] axis, or one block per layer.
 
     Yields:
         ``(hf_key, model_path, layer, transpose)``: the safetensors key, the path of the
-        matching parameter in ``nnx.state(model)``, the index along that parameter's
-        leading [L] axis for a decoder layer's tensor (the model stacks its layers; None
-        for the others), and whether the HF ``[out, in]`` matrix must be transposed into
-        an ``nnx.Linear`` kernel ``[in, out]``.
+        matching parameter in ``nnx.state(model)``, for a decoder layer's tensor in the
+        stacked layout its index along that parameter's leading [L] axis (else None), and
+        whether the HF ``[out, in]`` matrix must be transposed into an ``nnx.Linear``
+        kernel ``[in, out]``.
     """
     yield "model.embed_tokens.weight", ("embed_tokens", "embedding"), None, False
     yield "model.norm.weight", ("norm", "weight"), None, False
@@ -75,9 +82,9 @@ def hf_weight_names(config: LlamaConfig) -> Iterator[tuple[str, tuple[Any, ...],
         if bias:
             yield f"{hf_prefix}.bias", path + ("bias",), layer, False
 
-    me = ("layers",)
-    for i in range(config.num_layers):
-        hf = f"model.layers.{i}"
+    for layer in range(config.num_layers):
+        hf = f"model.layers.{layer}"
+        me, i = (("layers",), layer) if stacked else (("layers", layer), None)
         yield f"{hf}.input_layernorm.weight", me + ("input_layernorm", "weight"), i, False
         yield f"{hf}.post_attention_layernorm.weight", me + ("post_attention_layernorm", "weight"), i, False
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -239,13 +246,14 @@ def _open_safetensors(path: str, safe_open):
 
 
 def _load_tensors(
-    config: LlamaConfig, directory: str, dtype: jnp.dtype, model_shapes: dict[tuple[Any, ...], tuple[int, ...]]
+    config: LlamaConfig, directory: str, dtype: jnp.dtype, model_shapes: dict[tuple[Any, ...], tuple[int, ...]],
+    *, stacked: bool,
 ) -> dict[tuple[Any, ...], jax.Array]:
     """Reads, checks and converts every tensor the model needs, one shard open at a time."""
     from safetensors import safe_open
 
     files = _weight_files(directory)
-    needed = {key: (path, layer, transpose) for key, path, layer, transpose in hf_weight_names(config)}
+    needed = {key: (path, layer, transpose) for key, path, layer, transpose in hf_weight_names(config, stacked=stacked)}
     missing = [key for key in needed if key not in files]
     if missing:
         where = INDEX_FILE if os.path.isfile(os.path.join(directory, INDEX_FILE)) else WEIGHTS_FILE
@@ -332,13 +340,18 @@ def _release_free_heap() -> None:
         pass
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pretrained:
+def from_pretrained(
+    path: str | os.PathLike, *, dtype: Any = jnp.float32, scan_layers: bool | None = None
+) -> Pretrained:
     """Loads an HF-format Llama / Mistral / Qwen2 / Qwen3 checkpoint from a local directory.
 
     Args:
         path: directory with ``config.json``, ``model.safetensors`` (or a sharded
             ``model.safetensors.index.json``) and optionally ``tokenizer.json``.
         dtype: parameter dtype, ``jnp.float32`` or ``jnp.bfloat16``; weights are converted.
+        scan_layers: the model's layer layout (see :class:`~jaxkv.models.llama.Llama`):
+            True stacks the per-layer tensors and scans them, False keeps one block per
+            layer; None: stacked unless the default backend is the CPU.
 
     Returns:
         A :class:`Pretrained` with ``.model``, ``.config`` and ``.tokenizer``.
@@ -373,9 +386,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32) -> Pre
 
     # An abstract model (shapes only, nothing allocated or initialised) gives the parameter
     # tree; the checkpoint's tensors then fill it.
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, param_dtype=dtype, rngs=nnx.Rngs(0))))
+    abstract = nnx.eval_shape(lambda: Llama(config, param_dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+    graphdef, state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(state)
-    tensors = _load_tensors(config, directory, dtype, {p: var.get_value().shape for p, var in flat_state})
+    tensors = _load_tensors(
+        config, directory, dtype, {p: var.get_value().shape for p, var in flat_state}, stacked=abstract.scan_layers
+    )
     flat = [(p, var.replace(tensors[p])) for p, var in flat_state]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     _release_free_heap()
