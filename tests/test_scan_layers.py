@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import StaticCache
 from jaxkv.generation import decode_step
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.models.llama import layer_plan
@@ -127,8 +128,9 @@ def test_layer_plan():
     assert layer_plan(((slide, 1), (full, 0)) * 2) == ((0, 2, 2),)
 
 
+# Between them: scans of one-layer units (the runs) and of a two-layer unit, contiguous,
+# ring and two-storage caches, and the no-cache forward.
 CASES = {  # layers, config overrides, cache kind
-    "llama, static": (2, {}, "static"),
     "qwen3 pattern, static": (4, dict(qk_norm=True, qkv_bias=True, out_bias=True, sliding_window=W,
                                       sliding_layers=(True, False, True, False)), "static"),
     "qwen2 runs, hybrid (two storages)": (
@@ -142,7 +144,7 @@ def test_scanned_logits_equal_unrolled_reference(case):
     model = make_model(num_layers, **overrides)
     reference = unrolled_twin(model)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, size=(2, 7)), jnp.int32)
-    uncached = case == "llama, static"  # the no-cache forward runs the same scan; once is enough
+    uncached = case.startswith("qwen3")  # the no-cache forward runs the same scans; once is enough
 
     def run(m, tokens):
         """A ragged prefill (row 1 holds 4 of 6 tokens), then a decode step."""
@@ -229,3 +231,21 @@ def test_embedded_model_loads_into_both_layouts():
     assert set(got) == set(want)
     for path, value in want.items():
         np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(value), err_msg=str(path))
+
+
+def test_kv_attention_layer_and_window_per_call():
+    """The stacked Block's attention gets its cache layer and window with each call."""
+    from jaxkv.nnx import KVAttention, token_positions
+
+    attn = KVAttention(16, 2, 1, 8, rngs=nnx.Rngs(0))  # no layer_idx, no window
+    cache = StaticCache.init(num_layers=2, batch_size=1, num_kv_heads=1, head_dim=8, max_length=8)
+    x = jnp.ones((1, 3, 16))
+    positions = token_positions(cache, 1, 3)
+    with pytest.raises(ValueError, match="no cache layer: build it with layer_idx=, or pass layer_idx="):
+        attn(x, cache, positions=positions)
+    _, out = attn(x, cache, positions=positions, layer_idx=1)
+    np.testing.assert_array_equal(out.seq_lengths(1), [3])
+    np.testing.assert_array_equal(out.seq_lengths(0), [0])
+    windowed = KVAttention(16, 2, 1, 8, layer_idx=0, sliding_window=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="asks for sliding_window=2 but the module was built with 4"):
+        windowed(x, cache, positions=positions, sliding_window=2)
