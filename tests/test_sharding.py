@@ -124,7 +124,7 @@ KINDS = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxkv.attention import cache_attention
-    from jaxkv.caches import FULL, SLIDING, HybridCache, QuantizedCache, SlidingWindowCache, StaticCache
+    from jaxkv.caches import FULL, SLIDING, HybridCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     spec = NamedSharding(mesh, P("data", "model"))
@@ -136,6 +136,8 @@ KINDS = textwrap.dedent(
                                                    sharding=s, **sizes),
         "hybrid": lambda s: HybridCache.init(layer_types=[SLIDING, FULL], max_length=32, window=4, sharding=s,
                                              **sizes),
+        "paged": lambda s: PagedCache.init(num_layers=2, max_length=32, page_size=4, num_pages=24, sharding=s,
+                                           **sizes),
     }
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((4, 2, 3, 16)), jnp.float32)
@@ -146,6 +148,13 @@ KINDS = textwrap.dedent(
         # Every [L, B, H, ...] leaf of every storage: rows on "data", kv heads on "model";
         # lengths follow the rows. Each device holds a quarter of the rows, one kv head.
         for store in c.stores:
+            if hasattr(store, "block_table"):  # a page pool is shared by all rows: heads only
+                for name in ("keys", "values"):
+                    x = getattr(store, name)
+                    assert x.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "model")), x.ndim), what
+                t = store.block_table
+                assert t.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2), (what, t.sharding)
+                continue
             for name in ("keys", "values"):
                 x = getattr(store, name)
                 want = NamedSharding(mesh, P(None, "data", "model"))
@@ -195,7 +204,7 @@ KINDS = textwrap.dedent(
 
 
 def test_every_kind_shards_like_a_static_cache():
-    """Sliding, quantized and hybrid caches take the same one-layer sharding: every op keeps
+    """Sliding, quantized, hybrid and paged caches take the same one-layer sharding: every op keeps
     it, attention equals the unsharded result, and a sharded cache survives pickling."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
