@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_BASE := $(VENV)/.stamp-base
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo demo-caches test bench clean
+.PHONY: demo demo-caches test test-fast bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,14 @@ demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
 # Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
+# The whole suite and the notebooks: what CI runs (.ci/run).
 test: $(STAMP_TEST)
 	$(PY) -m pytest -q -n 2 tests --nbmake notebooks
+
+# The inner loop: the suite without the tests marked slow (transformers references,
+# subprocesses, README blocks, the longest generation checks) and without the notebooks.
+test-fast: $(STAMP_TEST)
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 # Every benchmark, each printing its table and writing benchmarks/results/*.json.
 bench: $(STAMP_TEST)
@@ -41,6 +47,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_compile.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_speculative.py
+	$(PY) benchmarks/bench_demo.py
 	$(PY) benchmarks/bench_persist.py
 	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_offload.py

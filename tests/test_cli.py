@@ -21,6 +21,7 @@ def run(*args, timeout=300, env=ENV):
     )
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_prints_summary(tmp_path):
     """Also the compilation cache: the first run fills the directory it is given, the
     second loads its programs from there and prints the same text."""
@@ -93,6 +94,7 @@ def test_cache_too_large_is_refused_up_front(no_context_model, max_new_tokens, m
     assert len(lines) == 1 and re.fullmatch("jaxkv: error: " + match, lines[0]), lines
 
 
+@pytest.mark.slow
 def test_invalid_utf8_prompt_is_one_clean_line():
     # Bytes in argv that are not UTF-8, as a shell passes them.
     result = subprocess.run(
@@ -105,6 +107,7 @@ def test_invalid_utf8_prompt_is_one_clean_line():
     )
 
 
+@pytest.mark.slow
 def test_closed_stdout_pipe_exits_quietly():
     # Like `jaxkv generate "def f(" | head -c 6`: the reader leaves after the echoed prompt,
     # while the model is still compiling, so the next write meets a closed pipe.
@@ -119,6 +122,7 @@ def test_closed_stdout_pipe_exits_quietly():
     assert stderr == b"", stderr.decode()
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_context_and_unsupported_model(tmp_path):
     result = run("generate", "x = 1\n" * 400, "--max-new-tokens", "8")
     assert result.returncode == 2 and "exceeds the model's context of 1024 tokens" in result.stderr

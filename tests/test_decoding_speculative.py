@@ -76,6 +76,7 @@ def _exact_joint(model, config, length):
     return joint.reshape((SMALL_V,) * length)
 
 
+@pytest.mark.slow
 def test_sampling_preserves_the_target_distribution():
     """Tokens 2..4 of many independent rows vs the target's exact distribution.
 

@@ -10,6 +10,8 @@ from jaxkv.cli import embedded_model_path
 from jaxkv.generation import generate
 from jaxkv.models import from_pretrained
 
+pytestmark = pytest.mark.slow  # transformers on the embedded checkpoint
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

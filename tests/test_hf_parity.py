@@ -72,6 +72,7 @@ def _prompts(batch, length, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, length))
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(family):
     name, hf, loaded, _ = family
     ids = _prompts(3, 20)
@@ -89,6 +90,7 @@ def test_logits_match_transformers(family):
     assert rel <= 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_generate(family):
     _, hf, loaded, _ = family
     ids = _prompts(3, 9, seed=1)  # the ragged test's shape: one compilation serves both
@@ -98,6 +100,7 @@ def test_greedy_tokens_match_transformers_generate(family):
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.slow
 def test_ragged_batch_matches_each_prompt_alone_in_transformers(family):
     _, hf, loaded, _ = family
     lengths = np.array([9, 3, 6])

@@ -54,6 +54,7 @@ def test_readme_has_python_blocks():
     assert sum(source.startswith(SUBPROCESS_MARKER) for _, source in BLOCKS) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(index):
     line, source = BLOCKS[index]
