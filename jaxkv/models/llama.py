@@ -417,7 +417,8 @@ class Llama(nnx.Module):
         param_dtype: dtype of every parameter (and hence of the computation).
         rngs: initialisation randomness. Both layouts draw the same weights from one seed.
         scan_layers: the layout above; None: stacked unless ``jax.default_backend()`` is
-            the CPU.
+            the CPU. The parameter tree differs between the layouts: pass it explicitly
+            when saved parameters must restore into a model built on another backend.
     """
 
     def __init__(
@@ -619,7 +620,8 @@ class Llama(nnx.Module):
         graphdef, weights = nnx.split(self.layers)
 
         def run(layer, window, x, cache, cache_layer):  # layer, cache_layer: Python ints or traced int32
-            block = nnx.merge(graphdef, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, False), weights))
+            layer_weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, False), weights)
+            block = nnx.merge(graphdef, layer_weights)
             return block(
                 x, cache, layer_idx=cache_layer, sliding_window=window, positions=positions, num_new=num_new, rope=rope
             )
