@@ -288,8 +288,9 @@ class Block(nnx.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     A block holds weights only; which cache layer it writes and its attention window come
-    with each call, so one block structure serves every layer. :class:`Llama` stacks the
-    weights of all its layers along a leading axis and runs them with ``lax.scan``.
+    with each call, so one block structure serves every layer: :class:`Llama` holds one
+    block per layer, or one block whose weights are stacked along a leading [L] axis and
+    runs it with ``lax.scan``.
     """
 
     def __init__(self, config: LlamaConfig, *, param_dtype: Any, rngs: nnx.Rngs):
@@ -407,10 +408,11 @@ class Llama(nnx.Module):
 
     Why both: XLA:CPU copies a layer's weights out of the stacked arrays on every step of
     the scan (its dot cannot read a dynamic slice in place), which made a weight-bound CPU
-    decode step 1.3x (the embedded model) to 3.3x (420 MB of weights) slower than per-layer
+    decode step 1.25-1.35x (the embedded model's shape) to 3x (420 MB of weights) slower than per-layer
     weights (``benchmarks/bench_compile.py``). So the default is the scan off the CPU
-    (GPU/TPU: where XLA feeds a matmul from a slice of the stacked buffer) and per-layer
-    weights on the CPU.
+    (TPU, and GPU where XLA's dynamic-slice fusion lets a matmul read its slice of the
+    stacked buffer in place: not yet measured on a GPU here) and per-layer weights on the
+    CPU.
 
     Args:
         config: the :class:`LlamaConfig`.
