@@ -37,7 +37,8 @@ from common import machine, print_table, time_calls, write_json
 from jaxkv import PagedCache, StaticCache
 from jaxkv.attention import attend_view, cache_attention
 
-LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE_SIZE = 2, 1, 8, 16, 128, 16
+LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 1, 8, 16, 128
+PAGE_SIZE = 16  # attention section; --page-size sets it
 
 
 def shuffled_pages(cache: PagedCache, seed: int = 0) -> PagedCache:
@@ -297,10 +298,13 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--page-size", type=int, default=16, help="attention: tokens per page")
     parser.add_argument("--requests", type=int, default=300, help="memory: requests served")
     parser.add_argument("--budget-tokens", type=int, default=16384, help="memory: cache budget in tokens")
     parser.add_argument("--json", default="benchmarks/results/paged.json")
     args = parser.parse_args()
+    global PAGE_SIZE
+    PAGE_SIZE = args.page_size
     results = {name: SECTIONS[name](args) for name in args.sections}
     write_json(args.json, {"machine": machine(), "args": vars(args), "results": results})
 
