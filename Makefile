@@ -28,14 +28,15 @@ demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
 # Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
+# --dist loadgroup: tests marked xdist_group (the README blocks) stay on one worker.
 # The whole suite and the notebooks: what CI runs (.ci/run).
 test: $(STAMP_TEST)
-	$(PY) -m pytest -q -n 2 tests --nbmake notebooks
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests --nbmake notebooks
 
 # The inner loop: the suite without the tests marked slow (transformers references,
 # subprocesses, README blocks, the longest generation checks) and without the notebooks.
 test-fast: $(STAMP_TEST)
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
 
 # Every benchmark, each printing its table and writing benchmarks/results/*.json.
 bench: $(STAMP_TEST)

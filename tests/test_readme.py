@@ -55,6 +55,10 @@ def test_readme_has_python_blocks():
 
 
 @pytest.mark.slow
+# One worker runs every block: a block selected alone first runs all the blocks above it, so
+# blocks split across pytest-xdist workers ran the README's first half twice (make test
+# distributes with --dist loadgroup).
+@pytest.mark.xdist_group("readme")
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(index):
     line, source = BLOCKS[index]
