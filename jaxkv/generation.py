@@ -215,7 +215,9 @@ def _generate(
 
     def body(carry):
         step, last, cache, done, tokens, lengths = carry
-        nxt, cache, now_done = _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id)
+        nxt, cache, now_done = _next_tokens(
+            graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id
+        )
         tokens = jax.lax.dynamic_update_index_in_dim(tokens, nxt, step, axis=1)
         lengths = lengths + (~done).astype(jnp.int32)
         return step + 1, nxt, cache, now_done, tokens, lengths
