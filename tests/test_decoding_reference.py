@@ -19,13 +19,16 @@ from jaxkv.sampling import sample
 WIDTH = 48
 
 
-def make_model(seed=0, scale=1.0, **overrides):
+def make_model(seed=0, scale=1.0, scan_layers=None, **overrides):
     """A tiny random Llama with norms moved off their all-ones init.
 
     ``scale`` multiplies the final norm weight: > 1 gives peakier next-token
     distributions (clear greedy margins), < 1 flatter ones (interesting sampling).
+    ``scan_layers`` picks the layer layout (None: the backend's default); the perturbation
+    below draws per parameter leaf, so each layout gives its own weights from one seed:
+    fixtures that rely on a seed's greedy margins pin it.
     """
-    model = Llama(LlamaConfig.tiny(**overrides), rngs=nnx.Rngs(seed))
+    model = Llama(LlamaConfig.tiny(**overrides), rngs=nnx.Rngs(seed), scan_layers=scan_layers)
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if "weight" in path or "bias" in path:
