@@ -125,7 +125,10 @@ def test_no_pinned_host_raises_or_falls_back_with_a_warning():
 
 @pytest.fixture(scope="module")
 def model():
-    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    # The offloaded step is built for the scan over layers (layer i+1 staged while layer i
+    # is attended). With per-layer blocks (the CPU default) XLA copies the host cache around
+    # the step: known, not fixed (issue 16 note).
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0), scan_layers=True)
 
 
 def test_generate_gives_the_tokens_of_an_on_device_cache(model):
