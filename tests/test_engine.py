@@ -9,6 +9,9 @@ them), so chunked, batched, prefix-hit and preempted runs must agree token for t
 import numpy as np
 import pytest
 
+# One worker runs the whole module: the model and its uncached reference are built once.
+pytestmark = pytest.mark.xdist_group("engine")
+
 from jaxkv.decoding.engine import EngineRequest, PagedEngine
 from test_decoding_reference import full_logits, greedy_reference, make_model
 
@@ -39,17 +42,19 @@ def reference(model):
 
 
 def engine(model, **kw):
-    kw = {"max_rows": 3, "max_length": 24, "num_pages": 24, "page_size": PS, "chunk_size": 4, **kw}
+    # 3 rows of up to 6 pages each from a pool of 8: the pool, not the rows, is the limit.
+    kw = {"max_rows": 3, "max_length": 24, "num_pages": 8, "page_size": PS, "chunk_size": 4, **kw}
     return PagedEngine(model, **kw)
 
 
-def test_greedy_matches_the_uncached_reference_with_prefix_hits(model, reference):
+def test_greedy_matches_the_uncached_reference_with_prefix_hits_and_preemption(model, reference):
     eng = engine(model)
     # Request 3 arrives late: the shared pages are indexed by then.
     reqs = [EngineRequest(p, N, arrival=(6 if i == 3 else 0)) for i, p in enumerate(PROMPTS)]
     out = eng.run(reqs)
     assert [list(r.tokens) for r in out] == reference
     assert out[3].cached_tokens == 8 and out[2].cached_tokens == 0
+    assert eng.stats["preemptions"] > 0 and sum(r.preemptions for r in out) == eng.stats["preemptions"]
     assert all(r.finish_reason == "length" for r in out)
     compiled = eng.compile_counts
     # Busy-row buckets 1 and 3 (R), decode (1 token) and mixed (C = 4): at most 4 programs.
@@ -60,13 +65,6 @@ def test_greedy_matches_the_uncached_reference_with_prefix_hits(model, reference
     # Same model and sizes: programs are shared (the cold run compiles only shapes the
     # first run did not need).
     assert not set(cold.compile_counts) & set(compiled)
-
-
-def test_a_pool_too_small_for_everyone_preempts_and_recomputes(model, reference):
-    eng = engine(model, num_pages=8, prefix_cache=False)  # 3 rows need up to 3 x 5 pages
-    out = eng.run([EngineRequest(p, N) for p in PROMPTS])
-    assert [list(r.tokens) for r in out] == reference
-    assert eng.stats["preemptions"] > 0 and sum(r.preemptions for r in out) == eng.stats["preemptions"]
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(model):

@@ -105,16 +105,6 @@ def test_fork_shares_pages_and_a_write_copies_only_the_written_page():
     attention_matches(cache, [base])
 
 
-def test_beam_reorder_shares_and_frees_pages():
-    rng = np.random.default_rng(1)
-    cache = write_all(paged(batch=3, num_pages=9), states(rng, 3, 6))
-    out = cache.reorder_cache(jnp.array([2, 2, 0]))  # row 1's pages go back to the pool
-    assert_accounting(out)
-    assert out.free_pages == 9 - 4
-    out = write_all(out, states(rng, 3, 3))  # rows 0 and 1 share a half-full page
-    assert_accounting(out)
-
-
 def test_beams_in_a_pool_of_one_page_per_beam_never_run_out():
     """Beam search's pattern: fan out, then reorder (with repeats) and write a token each
     step. With the page a row writes into shared, one holder keeps it and the others copy,

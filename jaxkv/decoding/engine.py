@@ -339,7 +339,10 @@ class PagedEngine:
         free = self._cache.free_pages
         ps, c, r_rows = self.page_size, self.chunk_size, self.max_rows
         row_len = [0] * r_rows  # tokens each row holds (host mirror of the cache's lengths)
-        counters = collections.Counter()
+        counters = collections.Counter({
+            k: 0 for k in ("preemptions", "evicted_pages", "cached_tokens", "prefill_tokens", "forward_tokens",
+                           "forward_calls", "peak_rows", "row_steps", "backlog_steps", "backlog_row_steps")
+        })
         start = time.perf_counter()
 
         def pages_for(n: int) -> int:
