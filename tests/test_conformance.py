@@ -368,9 +368,11 @@ def test_vmap_matches_a_loop(kind):
     caches = [filled(kind, seed) for seed in (0, 1)]
     ks = jnp.asarray(np.stack([rand(np.random.default_rng(s), 1) for s in (2, 3)]))
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *caches)
-    out = jax.vmap(program)(stacked, ks)
+    # Both under jit (one program each; the eager path is test_eager_equals_jit's).
+    out = jax.jit(jax.vmap(program))(stacked, ks)
+    one = jax.jit(program)
     for i, cache in enumerate(caches):
-        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], out), program(cache, ks[i]))
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], out), one(cache, ks[i]))
 
 
 @protocol_kinds
@@ -385,10 +387,14 @@ def test_scan_over_layers_matches_unrolled(kind):
             jax.lax.scan(body, cache, jnp.arange(L))
         return
     scanned, _ = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(L)))(cache)
-    unrolled = cache
-    for layer in range(L):
-        unrolled = unrolled.update(k, k, layer)[0]
-    chex.assert_trees_all_close(scanned, unrolled)
+
+    @jax.jit
+    def unrolled(cache):
+        for layer in range(L):
+            cache = cache.update(k, k, layer)[0]
+        return cache
+
+    chex.assert_trees_all_close(scanned, unrolled(cache))
 
 
 @protocol_kinds
