@@ -13,10 +13,6 @@ keys/values move these logits by far less, so the quantized runs must match exac
 import numpy as np
 import pytest
 
-# One worker runs the whole module: the model and its uncached reference (module fixtures)
-# are built once, not once per xdist worker.
-pytestmark = pytest.mark.xdist_group("decoding_kinds")
-
 import jaxkv
 from jaxkv.decoding import ServingLoop, beam_search, speculative_generate
 from jaxkv.decoding.serving import Request

@@ -9,9 +9,6 @@ them), so chunked, batched, prefix-hit and preempted runs must agree token for t
 import numpy as np
 import pytest
 
-# One worker runs the whole module: the model and its uncached reference are built once.
-pytestmark = pytest.mark.xdist_group("engine")
-
 from jaxkv.decoding.engine import EngineRequest, PagedEngine
 from test_decoding_reference import full_logits, greedy_reference, make_model
 
