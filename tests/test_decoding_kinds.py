@@ -16,7 +16,7 @@ import pytest
 import jaxkv
 from jaxkv.decoding import ServingLoop, beam_search, speculative_generate
 from jaxkv.decoding.serving import Request
-from test_decoding_reference import full_logits, greedy_reference, make_model
+from test_decoding_reference import clear_greedy_reference, make_model
 
 V, N = 64, 8
 PROMPTS = [[5, 9, 2, 7, 1, 3], [8, 4, 6]]
@@ -36,12 +36,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def reference(model):
-    tokens = greedy_reference(model, PROMPTS, N)
-    for prompt, row in zip(PROMPTS, tokens):
-        logits = np.asarray(full_logits(model, np.array([prompt + row], np.int32)))[0, len(prompt) - 1 : -1]
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        assert (top2[:, 1] - top2[:, 0]).min() >= 1.0  # clear greedy choices (see the module doc)
-    return np.array(tokens)
+    return np.array(clear_greedy_reference(model, PROMPTS, N, margin=1.0))  # see the module doc
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -112,3 +112,15 @@ def test_reference_logits_do_not_depend_on_buffer_width_or_padding():
     exact = np.asarray(full_logits(model, jnp.asarray([prompt], jnp.int32)))[0]
     np.testing.assert_allclose(wide, exact, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(wide, padded)
+
+
+def clear_greedy_reference(model, prompts, max_new_tokens, margin):
+    """``greedy_reference``, asserting every greedy choice wins by at least ``margin`` in
+    the logits, so a cached run whose logits differ slightly (int8 codes, other chunkings)
+    must still pick the same tokens."""
+    tokens = greedy_reference(model, prompts, max_new_tokens)
+    for prompt, row in zip(prompts, tokens):
+        logits = np.asarray(full_logits(model, np.array([prompt + row], np.int32)))[0, len(prompt) - 1 : -1]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        assert (top2[:, 1] - top2[:, 0]).min() >= margin
+    return tokens

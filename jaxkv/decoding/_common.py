@@ -73,3 +73,23 @@ def check_token_id(value: Any, name: str, vocab_size: int, who: str) -> int | No
         raise ValueError(f"{who}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
     return int(value)
 
+
+def check_request(
+    prompt: Any, max_new_tokens: Any, max_length: int, vocab_size: int, who: str, index: int, label: str
+) -> None:
+    """A serving request's prompt (non-empty, ids in the vocabulary) and ``max_new_tokens``
+    (>= 1) fit a row of ``max_length`` tokens (the last generated token is never stored).
+    ``label`` names the request in messages; token ids are named ``requests[index].prompt``."""
+    from jaxkv._checks import check_token_ids
+
+    name = label
+    if len(prompt) < 1:
+        raise ValueError(f"{who}: {name} has an empty prompt; it needs at least one token")
+    check_token_ids(prompt, vocab_size, who, name=f"requests[{index}].prompt")
+    check_positive_int(max_new_tokens, "max_new_tokens", who)
+    need = len(prompt) + max_new_tokens - 1
+    if need > max_length:
+        raise ValueError(
+            f"{who}: {name} needs {need} cache slots (prompt {len(prompt)} + max_new_tokens {max_new_tokens} - 1) "
+            f"but max_length is {max_length}; use a larger max_length or shorten the request"
+        )

@@ -54,7 +54,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
-from jaxkv.decoding._common import check_positive_int, forward
+from jaxkv.decoding._common import check_positive_int, check_request, forward
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
 
@@ -285,16 +285,8 @@ class PagedEngine:
     # ---- checks
 
     def _check(self, request: EngineRequest, index: int, who: str) -> None:
-        if len(request.prompt) < 1:
-            raise ValueError(f"{who}: request {index} has an empty prompt; it needs at least one token")
-        check_token_ids(request.prompt, self._vocab_size, who, name=f"requests[{index}].prompt")
-        check_positive_int(request.max_new_tokens, "max_new_tokens", who)
-        need = len(request.prompt) + request.max_new_tokens - 1
-        if need > self.max_length:
-            raise ValueError(
-                f"{who}: request {index} needs {need} tokens (prompt {len(request.prompt)} + max_new_tokens "
-                f"{request.max_new_tokens} - 1) but max_length is {self.max_length}; raise max_length or shorten it."
-            )
+        check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
+                      f"request {index}")
         t = request.temperature
         if not (isinstance(t, (int, float)) and np.isfinite(t) and t >= 0):
             raise ValueError(f"{who}: request {index} temperature must be a finite number >= 0, got {t!r}")

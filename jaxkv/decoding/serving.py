@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv._checks import check_model, check_token_ids, model_vocab_size
-from jaxkv.decoding._common import check_positive_int, check_token_id, forward
+from jaxkv._checks import check_model, model_vocab_size
+from jaxkv.decoding._common import check_positive_int, check_request, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
 from jaxkv.generation import init_model_cache
 from jaxkv.sampling import greedy
@@ -192,17 +192,8 @@ class ServingLoop:
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
     def _check(self, request: Request, index: int, who: str) -> None:
-        if len(request.prompt) < 1:
-            raise ValueError(f"{who}: request {request.id!r} has an empty prompt; it needs at least one token")
-        check_token_ids(request.prompt, self._vocab_size, who, name=f"requests[{index}].prompt")
-        check_positive_int(request.max_new_tokens, "max_new_tokens", who)
-        need = len(request.prompt) + request.max_new_tokens - 1
-        if need > self.max_length:
-            raise ValueError(
-                f"{who}: request {request.id!r} needs {need} cache slots (prompt {len(request.prompt)} + "
-                f"max_new_tokens {request.max_new_tokens} - 1) but max_length is {self.max_length}; build the "
-                "loop with a larger max_length or shorten the request"
-            )
+        check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
+                      f"request {request.id!r}")
 
     def run(self, requests: Sequence[Request]) -> list[Completion]:
         """Serves ``requests`` to completion; returns their completions in request order.
