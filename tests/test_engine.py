@@ -6,7 +6,6 @@ model has a sliding layer and a full one, with clear greedy margins (the fixture
 them), so chunked, batched, prefix-hit and preempted runs must agree token for token.
 """
 
-import numpy as np
 import pytest
 
 from jaxkv.decoding.engine import EngineRequest, PagedEngine
