@@ -57,39 +57,62 @@ def greedy(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
 
 
 def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
-    """Keeps the ``k`` largest logits of each row (ties at the k-th value are all kept)."""
+    """Keeps exactly the ``k`` largest logits of each row; the rest become ``-inf``.
+
+    On ties at the k-th value the lower ids are kept (the order of ``jax.lax.top_k``), so
+    the kept set is the one :func:`sample` draws from.
+    """
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = jax.lax.top_k(logits, k)[0][..., -1:]  # [B, 1]
-    return jnp.where(logits >= kth, logits, -jnp.inf)
+    _, ids = jax.lax.top_k(logits, k)  # [B, k]
+    keep = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], ids].set(True)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_p_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:  # [B, K] descending -> bool [B, K]
+    """Top-p over logits already sorted most likely first: which of them to keep.
+
+    A token is kept when the mass of the tokens before it is still below ``p``, so the most
+    likely token is always kept.
+    """
+    probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    return mass_before < p
 
 
 def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
     """Keeps the smallest set of most likely tokens whose probability mass reaches ``p``.
 
     A token is kept when the mass of the tokens strictly more likely than it (in sorted
-    order) is still below ``p``; the most likely token is always kept.
+    order, lower ids first on ties) is still below ``p``; the most likely token is always
+    kept.
     """
     if p >= 1.0:
         return logits
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    order = jnp.argsort(-probs, axis=-1, stable=True)
-    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < p
-    keep = jnp.zeros_like(keep_sorted).at[
-        jnp.arange(logits.shape[0])[:, None], order
-    ].set(keep_sorted)
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    keep_sorted = _top_p_keep_sorted(jnp.take_along_axis(logits, order, axis=-1), p)
+    keep = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     return jnp.where(keep, logits, -jnp.inf)
 
 
 def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
-    """Picks one token per row of ``logits`` [B, V] according to ``config``; int32 [B]."""
+    """Picks one token per row of ``logits`` [B, V] according to ``config``; int32 [B].
+
+    With ``top_k`` the draw is over the k survivors only (``jax.lax.top_k`` gives them
+    sorted, so top-p needs no sort over the vocabulary): the same distribution as
+    ``softmax(top_p_filter(top_k_filter(logits / temperature)))``, at the cost of k
+    rather than V per row after the top-k.
+    """
     if config.is_greedy:
         return greedy(logits)
     logits = logits.astype(jnp.float32) / config.temperature
-    if config.top_k:
-        logits = top_k_filter(logits, config.top_k)
-    if config.top_p is not None:
-        logits = top_p_filter(logits, config.top_p)
+    top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
+    if config.top_k and config.top_k < logits.shape[-1]:
+        survivors, ids = jax.lax.top_k(logits, config.top_k)  # [B, k], most likely first
+        if top_p is not None:
+            survivors = jnp.where(_top_p_keep_sorted(survivors, top_p), survivors, -jnp.inf)
+        picked = jax.random.categorical(key, survivors, axis=-1)
+        return jnp.take_along_axis(ids, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

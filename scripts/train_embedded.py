@@ -58,25 +58,9 @@ import torch.nn.functional as F
 
 EOT = "<|endoftext|>"
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
 
-# Path components that exclude a file: test suites, the IDE, GUI demos,
-# installed third-party packages, bundled data and generated tables.
-EXCLUDED_DIRS = {
-    "test",
-    "tests",
-    "idlelib",
-    "site-packages",
-    "dist-packages",
-    "turtledemo",
-    "ensurepip",
-    "encodings",  # mostly generated charmap tables
-    "pydoc_data",  # one huge generated string literal
-    "__pycache__",
-    "lib-dynload",
-}
-EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
-MAX_FILE_BYTES = 400_000
-
+from stdlib_corpus import EXCLUDED_DIRS, collect_extra, collect_sources, split_files  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -99,6 +83,20 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run forward and backward under torch.autocast(bfloat16) (weights, optimizer state and the "
+        "loss stay float32; the saved model is float32). On CPUs with AMX or AVX512-BF16 the matmuls are "
+        "faster",
+    )
+    p.add_argument(
+        "--extra-train-dirs",
+        nargs="*",
+        default=[],
+        help="stdlib subfolders (e.g. 'test') whose sources are added to the training split only: the "
+        "validation files and the tokenizer's training text stay the base corpus's",
+    )
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--log-every", type=int, default=25)
@@ -115,34 +113,6 @@ def parse_args(argv=None):
 
 
 # --------------------------------------------------------------------------- data
-
-
-def collect_sources(stdlib: Path):
-    files = []
-    for path in sorted(stdlib.rglob("*.py")):
-        rel = path.relative_to(stdlib)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
-            continue
-        if any(part.startswith(EXCLUDED_PREFIXES) for part in rel.parts):
-            continue
-        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        text = text.replace("\r\n", "\n")
-        if len(text.strip()) < 64:
-            continue
-        files.append((rel.as_posix(), text))
-    return files
-
-
-def split_files(files, every=50):
-    train, val = [], []
-    for i, item in enumerate(files):
-        (val if i % every == every // 2 else train).append(item)
-    return train, val
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -365,21 +335,24 @@ def main(argv=None):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = collect_sources(stdlib)
     train_files, val_files = split_files(files)
+    extra_files = collect_extra(stdlib, args.extra_train_dirs)
     corpus_sha = hashlib.sha256("".join(p + "\0" + t for p, t in files).encode()).hexdigest()
     n_bytes = {k: sum(len(t.encode()) for _, t in v) for k, v in (("train", train_files), ("val", val_files))}
+    n_bytes["extra"] = sum(len(t.encode()) for _, t in extra_files)
     print(f"stdlib {stdlib}: {len(train_files)} train files ({n_bytes['train']/1e6:.2f} MB), "
-          f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB)", flush=True)
+          f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB), {len(extra_files)} extra training "
+          f"files from {args.extra_train_dirs} ({n_bytes['extra']/1e6:.2f} MB)", flush=True)
 
     t0 = time.time()
     tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
     eot_id = tok.token_to_id(EOT)
     bad = check_roundtrip(tok, [t for _, t in val_files])
     assert bad == 0, f"{bad} validation files do not round-trip through the tokenizer"
-    train_ids = encode_stream(tok, [t for _, t in train_files], eot_id)
+    train_ids = encode_stream(tok, [t for _, t in train_files + extra_files], eot_id)
     val_ids = encode_stream(tok, [t for _, t in val_files], eot_id)
     tok_time = time.time() - t0
     print(f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_ids)} train tokens "
-          f"({n_bytes['train']/len(train_ids):.2f} bytes/token), {len(val_ids)} val tokens, "
+          f"({(n_bytes['train'] + n_bytes['extra'])/len(train_ids):.2f} bytes/token), {len(val_ids)} val tokens, "
           f"{tok_time:.1f}s", flush=True)
 
     T = args.context + 1
@@ -409,7 +382,8 @@ def main(argv=None):
             g["lr"] = lr
         starts = rng.integers(0, len(train_ids) - T, size=args.batch)
         batch = torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts]).astype(np.int64))
-        loss = lm_loss(model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = lm_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -488,6 +462,9 @@ def main(argv=None):
             "val_files": len(val_files),
             "val_file_names": [p for p, _ in val_files],
             "train_bytes": n_bytes["train"],
+            "extra_train_dirs": args.extra_train_dirs,
+            "extra_train_files": len(extra_files),
+            "extra_train_bytes": n_bytes["extra"],
             "val_bytes": n_bytes["val"],
             "train_tokens": int(len(train_ids)),
             "val_tokens": int(len(val_ids)),

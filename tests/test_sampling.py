@@ -79,3 +79,46 @@ def test_greedy_equals_numpy_argmax_with_ties_infinities_and_nan():
         want = np.argmax(np.asarray(logits), axis=-1)
         np.testing.assert_array_equal(np.asarray(greedy(logits)), want)
         np.testing.assert_array_equal(np.asarray(jax.jit(greedy)(logits)), want)
+
+
+def _numpy_sampling_distribution(logits, temperature, top_k, top_p):
+    """The distribution ``sample`` draws from, written from the definitions in NumPy."""
+    x = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-x, kind="stable")  # most likely first, lower ids first on ties
+    kept = order[:top_k] if top_k else order
+    probs = np.exp(x[kept] - x[kept].max())
+    probs /= probs.sum()
+    if top_p is not None:
+        kept = kept[np.cumsum(probs) - probs < top_p]
+    out = np.zeros_like(x)
+    out[kept] = np.exp(x[kept] - x[kept].max())
+    return out / out.sum()
+
+
+def test_top_k_keeps_exactly_k_lower_ids_first_on_ties():
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 3.0, 0.0, 3.0]])
+    out = np.asarray(top_k_filter(logits, 2))[0]
+    assert set(np.flatnonzero(np.isfinite(out))) == {1, 2}
+    # sample draws from that same set (never id 3 or 5, tied at the k-th value)
+    tokens = sample(jnp.broadcast_to(logits, (4000, 6)), jax.random.key(0), SamplingConfig(temperature=1.0, top_k=2))
+    assert set(np.unique(np.asarray(tokens))) == {1, 2}
+
+
+@pytest.mark.parametrize("top_k, top_p", [(12, 0.7), (12, None), (5, 0.999), (None, 0.6)])
+def test_sampling_frequencies_equal_numpy_reference(top_k, top_p):
+    # sample() draws over the top-k survivors only (no sort over V); its frequencies must be
+    # those of the filtered full-vocabulary distribution, computed here independently.
+    n, vocab, temperature = 20000, 64, 0.9
+    row = np.asarray(jax.random.normal(jax.random.key(7), (vocab,)) * 2.0)
+    want = _numpy_sampling_distribution(row, temperature, top_k, top_p)
+    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = jnp.broadcast_to(jnp.asarray(row, jnp.float32), (n, vocab))
+    tokens = np.asarray(jax.jit(lambda l, k: sample(l, k, config))(logits, jax.random.key(1)))
+    counts = np.bincount(tokens, minlength=vocab) / n
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(want)), "drew a token the filters remove"
+    assert np.all(np.abs(counts - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9), (counts, want)
+    # and the filters alone give the same distribution (speculative decoding's acceptance test uses them)
+    from jaxkv.decoding._common import filtered_logits
+
+    filtered = np.asarray(jax.nn.softmax(filtered_logits(jnp.asarray(row[None], jnp.float32), config), axis=-1))[0]
+    np.testing.assert_allclose(filtered, want, atol=1e-6)

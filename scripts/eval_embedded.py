@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Does the embedded model write Python? Continuations of held-out function headers, parsed.
+
+The prompts are the ``def`` headers (the signature up to its ``:``, dedented) of the
+functions in the validation files of ``train_embedded.py``'s split: stdlib files the model
+never trained on. 100 of them, evenly spaced in (file, line) order. For each temperature
+the model continues all 100 in one batch through ``jaxkv.generate`` (ragged prompts, top-k
+40 and top-p 0.95 as the CLI's defaults, per-row keys), and each continuation is scored:
+
+* the function ends at its first non-blank line at column 0 after the ``def`` line, or at
+  the end-of-text token;
+* a continuation that reaches ``--max-new-tokens`` first is cut after its last complete line
+  (``finished`` is False for it);
+* it **parses** when ``ast.parse(header + body)`` accepts it. An empty body does not parse.
+
+``parse`` counts every prompt (finished or cut at a line); ``finished_and_parse`` counts only
+functions that ended within the budget. Validation loss (nats/token) comes from the model on
+the same validation files, all of them, in 256-token windows.
+
+    python scripts/eval_embedded.py [--model DIR] [--json docs/embedded_eval.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import sys
+import sysconfig
+import textwrap
+import time
+import tokenize
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+from stdlib_corpus import collect_sources, split_files  # noqa: E402
+
+TEMPERATURES = (0.2, 0.5, 0.8)
+
+
+def _signature(text: str) -> str:
+    """``text`` (starting at a ``def``) up to and including the ``:`` that ends the signature."""
+    depth = 0
+    lines = text.splitlines(keepends=True)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif tok.type == tokenize.OP and tok.string == ":" and depth == 0:
+            row, col = tok.end
+            return "".join(lines[: row - 1]) + lines[row - 1][:col]
+    raise ValueError("no signature end")
+
+
+def function_headers(files) -> list[tuple[str, int, str]]:
+    """``(file, line, header)``: each function's signature, dedented, ending at its ``:``.
+
+    Functions whose body starts on the ``def`` line are skipped. The header has no newline
+    after the ``:``: the tokenizer merges a newline with the indentation after it, so the
+    model writes that token itself.
+    """
+    out = []
+    for name, source in files:
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.body[0].lineno == node.lineno:
+                continue
+            rest = textwrap.dedent("".join(lines[node.lineno - 1 : node.body[0].lineno]))
+            try:
+                header = _signature(rest)
+            except (tokenize.TokenError, IndentationError, ValueError):
+                continue
+            out.append((name, node.lineno, header))
+    out.sort(key=lambda item: (item[0], item[1]))
+    return out
+
+
+def pick_evenly(items, n):
+    if len(items) <= n:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
+
+
+def score(header: str, continuation: str, ended_by_eos: bool) -> dict:
+    """Cuts ``continuation`` where the function ends and parses header + body.
+
+    The continuation's first piece (up to its first newline) finishes the ``def`` line.
+    """
+    lines = continuation.split("\n")
+    complete = lines if ended_by_eos else lines[:-1]  # the last piece may be a partial line
+    if not complete:
+        return {"parses": False, "finished": ended_by_eos, "text": header}
+    body, ended = [complete[0]], ended_by_eos
+    for line in complete[1:]:
+        if line.strip() and not line[0].isspace():
+            ended = True  # back at column 0: the function is over
+            break
+        body.append(line)
+    text = header + "\n".join(body) + "\n"
+    try:
+        ast.parse(text)
+        parses = True
+    except (SyntaxError, ValueError):
+        parses = False
+    return {"parses": parses, "finished": ended, "text": text}
+
+
+def validation_loss(loaded, files, context=256) -> float:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = [0]
+    for _, text in files:
+        ids += loaded.tokenizer.encode(text).ids[1:] + [0]  # <|endoftext|> doc <|endoftext|> ...
+    ids = np.asarray(ids, np.int32)
+    windows = np.stack([ids[s : s + context + 1] for s in range(0, len(ids) - context - 1, context)])
+    model = loaded.model
+
+    @jax.jit
+    def nll(batch):
+        logits, _ = model(batch[:, :-1], None, None)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0].sum()
+
+    total = 0.0
+    for i in range(0, len(windows), 16):
+        chunk = windows[i : i + 16]
+        if len(chunk) < 16:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], 16 - len(chunk), 0)])
+            total += float(nll(jnp.asarray(chunk))) * (len(windows) - i) / 16
+        else:
+            total += float(nll(jnp.asarray(chunk)))
+    return total / (len(windows) * context)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded model)")
+    p.add_argument("--prompts", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results (and every scored text) here")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv import SamplingConfig, generate
+    from jaxkv.cli import embedded_model_path
+    from jaxkv.models import from_pretrained
+
+    path = args.model or embedded_model_path()
+    loaded = from_pretrained(path)
+    tok = loaded.tokenizer
+    _, val_files = split_files(collect_sources(Path(sysconfig.get_paths()["stdlib"])))
+    headers = pick_evenly(function_headers(val_files), args.prompts)
+    encoded = [tok.encode(header).ids for _, _, header in headers]
+    width = max(map(len, encoded))
+    ids = np.zeros((len(encoded), width), np.int32)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)] = e
+    lengths = np.asarray([len(e) for e in encoded], np.int32)
+    print(f"{path}: {len(headers)} held-out function headers from {len({h[0] for h in headers})} validation "
+          f"files, prompts {lengths.min()}-{lengths.max()} tokens, up to {args.max_new_tokens} new tokens")
+
+    t0 = time.perf_counter()
+    val = validation_loss(loaded, val_files)
+    print(f"validation loss {val:.4f} nats/token ({time.perf_counter() - t0:.1f} s)")
+
+    results = {"model": str(Path(path).name), "prompts": len(headers), "max_new_tokens": args.max_new_tokens,
+               "val_loss": val, "runs": []}
+    for temperature in TEMPERATURES:
+        sampling = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95)
+        t0 = time.perf_counter()
+        out = generate(loaded.model, jnp.asarray(ids), args.max_new_tokens, prompt_lengths=jnp.asarray(lengths),
+                       sampling=sampling, key=jax.random.key(args.seed), eos_token_id=0)
+        tokens = np.asarray(out.tokens)
+        n_out = np.asarray(out.lengths)
+        seconds = time.perf_counter() - t0
+        scored = []
+        for row, (name, line, header) in enumerate(headers):
+            row_tokens = tokens[row, : n_out[row]].tolist()
+            eos = bool(row_tokens) and row_tokens[-1] == 0
+            text = tok.decode([t for t in row_tokens if t != 0])
+            scored.append({"file": name, "line": line, **score(header, text, eos)})
+        n = len(scored)
+        run = {
+            "temperature": temperature, "top_k": 40, "top_p": 0.95,
+            "parse": sum(s["parses"] for s in scored) / n,
+            "finished": sum(s["finished"] for s in scored) / n,
+            "finished_and_parse": sum(s["parses"] and s["finished"] for s in scored) / n,
+            "generate_s": round(seconds, 2),
+            "scored": scored,
+        }
+        results["runs"].append(run)
+        print(f"temperature {temperature}: parse {run['parse']:.0%}  finished {run['finished']:.0%}  "
+              f"finished and parse {run['finished_and_parse']:.0%}  ({seconds:.1f} s)")
+    example = next((s for s in results["runs"][1]["scored"] if s["parses"] and s["finished"]), None)
+    if example:
+        print(f"--- an example (temperature {TEMPERATURES[1]}, {example['file']}:{example['line']}):\n{example['text']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

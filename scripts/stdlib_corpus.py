@@ -1,0 +1,83 @@
+"""The embedded model's corpus: the CPython standard library's own sources, and its split.
+
+Shared by ``train_embedded.py`` (what the model trains and validates on) and
+``eval_embedded.py`` (held-out function headers come from the validation files only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Path components that exclude a file: test suites, the IDE, GUI demos,
+# installed third-party packages, bundled data and generated tables.
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "turtledemo",
+    "ensurepip",
+    "encodings",  # mostly generated charmap tables
+    "pydoc_data",  # one huge generated string literal
+    "__pycache__",
+    "lib-dynload",
+}
+EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
+MAX_FILE_BYTES = 400_000
+
+
+
+def collect_sources(stdlib: Path):
+    files = []
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
+            continue
+        if any(part.startswith(EXCLUDED_PREFIXES) for part in rel.parts):
+            continue
+        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        text = text.replace("\r\n", "\n")
+        if len(text.strip()) < 64:
+            continue
+        files.append((rel.as_posix(), text))
+    return files
+
+
+def split_files(files, every=50):
+    train, val = [], []
+    for i, item in enumerate(files):
+        (val if i % every == every // 2 else train).append(item)
+    return train, val
+
+
+def collect_extra(stdlib: Path, dirs):
+    """Training-only sources from stdlib subfolders the base corpus leaves out (``test``).
+
+    Only files that ``ast.parse`` accepts (the test suite also holds deliberately broken
+    sources) and that meet the base corpus's size and encoding rules. They never enter the
+    validation split or the tokenizer's training text, so both stay those of the base corpus.
+    """
+    import ast
+
+    files = []
+    for top in dirs:
+        root = stdlib / top
+        if not root.is_dir():
+            raise SystemExit(f"--extra-train-dirs: {root} is not a directory")
+        for path in sorted(root.rglob("*.py")):
+            if "__pycache__" in path.parts or not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
+                ast.parse(text)
+            except (UnicodeDecodeError, SyntaxError, ValueError):
+                continue
+            if len(text.strip()) >= 64:
+                files.append((path.relative_to(stdlib).as_posix(), text))
+    return files

@@ -1,0 +1,58 @@
+"""scripts/eval_embedded.py's prompts and scoring, on hand-written sources (no model)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import eval_embedded  # noqa: E402
+
+SOURCE = '''
+import os
+
+@decorator
+def plain(a, b=(1, 2),
+          *, c: "dict[str, int]" = {}) -> int:  # a comment on the def line
+    # a comment before the body
+    return a
+
+def one_liner(): return 1
+
+class K:
+    async def method(self, x=[0]):
+        """Doc."""
+        return x
+'''
+
+
+def test_headers_are_signatures_up_to_their_colon_dedented():
+    headers = eval_embedded.function_headers([("m.py", SOURCE)])
+    assert [(line, header) for _, line, header in headers] == [
+        (5, 'def plain(a, b=(1, 2),\n          *, c: "dict[str, int]" = {}) -> int:'),
+        (13, "async def method(self, x=[0]):"),
+    ]
+
+
+def test_pick_evenly_keeps_both_ends():
+    assert eval_embedded.pick_evenly(list(range(10)), 4) == [0, 3, 6, 9]
+    assert eval_embedded.pick_evenly([1, 2], 5) == [1, 2]
+
+
+def test_score_cuts_at_the_end_of_the_function():
+    got = eval_embedded.score("def f(x):", "\n    y = x\n    return y\n\nprint(f(1))\n", ended_by_eos=False)
+    assert got == {"parses": True, "finished": True, "text": "def f(x):\n    y = x\n    return y\n\n"}
+
+
+def test_score_unfinished_keeps_complete_lines_only():
+    got = eval_embedded.score("def f(x):", "\n    y = x\n    return (y +", ended_by_eos=False)
+    assert got["parses"] and not got["finished"] and got["text"] == "def f(x):\n    y = x\n"
+    # an unclosed bracket across complete lines does not parse
+    assert not eval_embedded.score("def f(x):", "\n    return (x,\n    y = 1\n", ended_by_eos=False)["parses"]
+
+
+def test_score_end_of_text_finishes_and_empty_bodies_fail():
+    got = eval_embedded.score("def f():", "\n    pass", ended_by_eos=True)
+    assert got["parses"] and got["finished"]
+    assert not eval_embedded.score("def f():", "\nx = 1\n", ended_by_eos=False)["parses"]
+    assert not eval_embedded.score("def f():", "", ended_by_eos=True)["parses"]
+    assert not eval_embedded.score("def f():", "no newline yet", ended_by_eos=False)["parses"]
