@@ -84,6 +84,15 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=0.0,
+        help="train for this many minutes of wall clock instead of a step count: after the warmup "
+        "steps the cosine decay runs over the time left, so the schedule ends when the time does "
+        "whatever the step rate (a shared machine's varies); --steps is then only an upper bound "
+        "and --max-minutes is not used",
+    )
+    p.add_argument(
         "--bf16",
         action="store_true",
         help="run forward and backward under torch.autocast(bfloat16) (weights, optimizer state and the "
@@ -191,10 +200,16 @@ def make_model(args, vocab_size, eot_id):
     return LlamaForCausalLM(cfg)
 
 
-def lr_at(step, args):
+def lr_at(step, args, progress=None):
+    """Linear warmup over ``args.warmup`` steps, then cosine decay to ``min_lr_ratio``.
+
+    The decay's ``progress`` (0 to 1) is by steps, or, with ``--train-minutes``, the share of
+    the training time spent, given by the caller.
+    """
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    if progress is None:
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return args.lr * (args.min_lr_ratio + (1.0 - args.min_lr_ratio) * cos)
 
@@ -376,8 +391,14 @@ def main(argv=None):
     t_train = marks[0][1]
     model.train()
     step = 0
+    t_decay = None  # when the warmup ended (--train-minutes)
+    progress = None
     while step < args.steps:
-        lr = lr_at(step, args)
+        if args.train_minutes > 0 and step >= args.warmup:
+            if t_decay is None:
+                t_decay = time.time()
+            progress = (time.time() - t_decay) / max(1.0, args.train_minutes * 60 - (t_decay - t_train))
+        lr = lr_at(step, args, progress)
         for g in opt.param_groups:
             g["lr"] = lr
         starts = rng.integers(0, len(train_ids) - T, size=args.batch)
@@ -396,8 +417,8 @@ def main(argv=None):
         now = time.time()
         if done % 25 == 0:
             marks.append((done, now))
-        last = done == args.steps
-        if args.max_minutes > 0 and done >= 50 and done % 25 == 0 and not last:
+        last = done == args.steps or (progress is not None and progress >= 1.0)
+        if args.train_minutes <= 0 and args.max_minutes > 0 and done >= 50 and done % 25 == 0 and not last:
             # seconds per step over (up to) the last 200 steps
             (s0, t0_), (s1, t1_) = marks[max(0, len(marks) - 9)], marks[-1]
             rate = (t1_ - t0_) / (s1 - s0)
@@ -411,7 +432,7 @@ def main(argv=None):
                     print(f"time budget: cutting planned steps {args.steps} -> {new_steps} "
                           f"({rate:.2f}s/step)", flush=True)
                     args.steps = new_steps
-        over_time = (now - t_start) / 60 > args.max_minutes + 1.5
+        over_time = args.train_minutes <= 0 and (now - t_start) / 60 > args.max_minutes + 1.5
         if done % args.log_every == 0 or last or over_time:
             rec = {
                 "step": done,
@@ -434,6 +455,8 @@ def main(argv=None):
         if over_time and not last:
             stopped_early = f"stopped at step {done} of {args.steps}: over --max-minutes {args.max_minutes}"
             print(stopped_early, flush=True)
+            break
+        if last:
             break
     train_time = time.time() - t_train
     steps_done = history[-1]["step"]
@@ -480,6 +503,7 @@ def main(argv=None):
         },
         "training": {
             "steps_planned": planned_steps,
+            "train_minutes": args.train_minutes,
             "schedule_cuts_for_time_budget": schedule_cuts,
             "steps_done": steps_done,
             "stopped_early": stopped_early,
