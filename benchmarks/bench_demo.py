@@ -8,7 +8,9 @@ Two tables, all figures from this one run (the machines here are shared: compare
 
   - ``old``: the path before issue 17, rebuilt here: one jitted decode step per token, the
     token copied to the host, padded, copied back, and the whole output detokenized again
-    for every token;
+    for every token, sampling over the whole vocabulary (an argsort of 4096 probabilities
+    for top-p; :func:`sample_over_vocabulary`);
+  - ``stream k=16, sort over V``: the stream below with that same full-vocabulary sampling;
   - ``stream k=1``: :func:`jaxkv.stream` with one step per device call, the CLI's
     incremental detokenizer;
   - ``stream k=16``: the CLI's setting (16 steps per device call);
@@ -28,6 +30,7 @@ Two tables, all figures from this one run (the machines here are shared: compare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import subprocess
@@ -43,14 +46,47 @@ import numpy as np  # noqa: E402
 from common import machine, print_table, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jaxkv.generation  # noqa: E402
 from jaxkv.cli import Detokenizer, embedded_model_path  # noqa: E402
-from jaxkv.generation import _prepare, decode_step, init_model_cache, prefill, stream  # noqa: E402
+from jaxkv.generation import _prepare, _stream_programs, decode_step, init_model_cache, prefill, stream  # noqa: E402
 from jaxkv.models import from_pretrained  # noqa: E402
 from jaxkv.sampling import SamplingConfig  # noqa: E402
 
 PROMPT = "def fibonacci("
 DEMO_SAMPLING = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95)
 GREEDY = SamplingConfig()
+
+
+def sample_over_vocabulary(logits, key, config):
+    """``jaxkv.sampling.sample`` before it drew over the top-k survivors: the top-k as a
+    threshold over all V logits, top-p by an argsort of all V probabilities, the draw over V."""
+    if config.is_greedy:
+        return jaxkv.generation.greedy(logits)
+    logits = logits.astype(jnp.float32) / config.temperature
+    if config.top_k:
+        kth = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if config.top_p is not None:
+        probs = jax.nn.softmax(logits, axis=-1)
+        order = jnp.argsort(-probs, axis=-1, stable=True)
+        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+        keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < config.top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@contextlib.contextmanager
+def sampling_over_vocabulary():
+    """Programs traced inside use :func:`sample_over_vocabulary` (stream's cached programs are rebuilt)."""
+    current = jaxkv.generation.sample
+    _stream_programs.cache_clear()
+    jaxkv.generation.sample = sample_over_vocabulary
+    try:
+        yield
+    finally:
+        jaxkv.generation.sample = current
+        _stream_programs.cache_clear()
 
 
 def old_stream(model, ids, max_new_tokens, sampling, key):
@@ -150,13 +186,19 @@ def stream_table(tokens: int, repeats: int) -> list[dict]:
     key = jax.random.key(0)
     rows = []
     for name, sampling in (("demo sampling", DEMO_SAMPLING), ("greedy", GREEDY)):
+        # Each path is built inside its sampling context: jitted programs trace on first
+        # call and read the sampler then, and stream's programs are shared per model.
         paths = {
-            "old": old_stream(loaded.model, ids, tokens, sampling, key),
-            "stream k=1": new_stream(loaded.model, ids, tokens, sampling, key, 1),
-            "stream k=16": new_stream(loaded.model, ids, tokens, sampling, key, 16),
-            "device only k=16": device_only(loaded.model, ids, tokens, sampling, key, 16),
+            "old": lambda: old_stream(loaded.model, ids, tokens, sampling, key),
+            "stream k=16, sort over V": lambda: new_stream(loaded.model, ids, tokens, sampling, key, 16),
+            "stream k=1": lambda: new_stream(loaded.model, ids, tokens, sampling, key, 1),
+            "stream k=16": lambda: new_stream(loaded.model, ids, tokens, sampling, key, 16),
+            "device only k=16": lambda: device_only(loaded.model, ids, tokens, sampling, key, 16),
         }
-        rates = {path: time_stream(run, loaded.tokenizer, tokens, repeats) for path, run in paths.items()}
+        rates = {}
+        for path, make in paths.items():
+            with sampling_over_vocabulary() if path in ("old", "stream k=16, sort over V") else contextlib.nullcontext():
+                rates[path] = time_stream(make(), loaded.tokenizer, tokens, repeats)
         for path, rate in rates.items():
             rows.append(dict(sampling=name, path=path, tokens_per_s=rate, ms_per_token=1e3 / rate,
                              vs_old=rate / rates["old"]))
