@@ -28,15 +28,19 @@ demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
 # Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
-# --dist loadgroup: tests marked xdist_group (the README blocks) stay on one worker.
+# The CPU attention kernel is built first (once per machine, cached; about 20 s of g++ on a new
+# machine; without a compiler it warns and the XLA path is tested), so that the two workers do
+# not both compile it on their first attention call.
 # The whole suite and the notebooks: what CI runs (.ci/run).
 test: $(STAMP_TEST)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests --nbmake notebooks
+	$(PY) -c "import jaxkv._kernels as k; k.available()"
+	$(PY) -m pytest -q -n 2 tests --nbmake notebooks
 
 # The inner loop: the suite without the tests marked slow (transformers references,
 # subprocesses, README blocks, the longest generation checks) and without the notebooks.
 test-fast: $(STAMP_TEST)
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
+	$(PY) -c "import jaxkv._kernels as k; k.available()"
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 # Every benchmark, each printing its table and writing benchmarks/results/*.json.
 bench: $(STAMP_TEST)

@@ -23,7 +23,10 @@ It runs, on ``jax.devices()[0]``, side by side in one run:
 3. the donated 1000-step decode loop: traces, programs, cache-sized copies, flat time;
 4. decode step time of ``jaxkv.generate`` against Flax NNX's cache on the same config
    (transformers is left out: its GPU build is not what this project installs), with the
-   read floor of ``bench_generate``.
+   read floor of ``bench_generate``;
+5. ``llama1b`` (:mod:`bench_llama1b`): a Llama-3.2-1B-shaped bfloat16 model, jaxkv (both layer
+   layouts) against its read floor and transformers' static cache eager and with
+   ``torch.compile``, batch 1 and 32 with 1K prompts, and the first ``generate`` call's time.
 
 ``--quick`` shrinks every size (a smoke run for CPU, a minute). ``--sections`` picks parts
 (``kernels`` is part 0; default: all). The JSON holds the device description, so GPU
@@ -47,6 +50,7 @@ import numpy as np  # noqa: E402
 
 import bench_attention as ba  # noqa: E402
 import bench_generate as bg  # noqa: E402
+import bench_llama1b  # noqa: E402
 from common import machine, print_table, time_calls, write_json  # noqa: E402
 from jaxkv.attention import attend, blockwise_attend, pallas_attend_view, quantized_blockwise_attend  # noqa: E402
 from jaxkv.caches._bits import from_bits  # noqa: E402
@@ -55,7 +59,7 @@ from jaxkv.caches.views import ContiguousView, QuantizedView  # noqa: E402
 
 # Issue-14 tables: the Llama-3.2-1B attention shape.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
-SECTIONS = ("kernels", "capacity", "bandwidth", "loop", "generate")
+SECTIONS = ("kernels", "capacity", "bandwidth", "loop", "generate", "llama1b")
 
 
 def _kv_buffers(kind, layers, batch, capacity, seed=0):
@@ -270,6 +274,14 @@ def main() -> None:
         generate = bg.run_benchmark(bg.FULL, cells, steps=steps, repeats=3, strategies=("jaxkv", "nnx"))
         bg.report(generate)
         payload["generate"] = generate
+    if "llama1b" in sections:
+        if args.quick:
+            llama = bench_llama1b.run(bench_llama1b.TINY, [(1, 16)], steps=8, repeats=2, hf_compiled=False)
+        else:
+            llama = bench_llama1b.run(bench_llama1b.LLAMA_1B, [(1, 128), (1, 1024), (32, 1024)], steps=32, repeats=3,
+                                      hf_compiled=backend == "gpu")
+        bench_llama1b.report(llama)
+        payload["llama1b"] = llama
     payload["wall_s"] = time.perf_counter() - start
     print(f"total {payload['wall_s']:.0f} s")
     write_json(args.json or str(HERE / "results" / f"device_{backend}{'_quick' if args.quick else ''}.json"), payload)

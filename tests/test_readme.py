@@ -26,12 +26,10 @@ def _blocks() -> list[tuple[int, str]]:
 
 
 BLOCKS = _blocks()
-_state = {"namespace": {"__name__": "readme"}, "done": 0}
 
 
 def _run_through(blocks: list[tuple[int, str]], index: int, state: dict) -> None:
-    """Runs the in-process blocks up to ``index`` that have not run yet, so that any one
-    block's test can be selected alone and still sees what the blocks before it defined."""
+    """Runs the in-process blocks up to ``index`` that have not run yet, in one namespace."""
     while state["done"] <= index:
         line, source = blocks[state["done"]]
         state["done"] += 1
@@ -55,17 +53,18 @@ def test_readme_has_python_blocks():
 
 
 @pytest.mark.slow
-# One worker runs every block: a block selected alone first runs all the blocks above it, so
-# blocks split across pytest-xdist workers ran the README's first half twice (make test
-# distributes with --dist loadgroup).
-@pytest.mark.xdist_group("readme")
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
-def test_readme_block_runs(index):
-    line, source = BLOCKS[index]
-    if source.startswith(SUBPROCESS_MARKER):
-        _run_in_subprocess(line, source)
-    else:
-        _run_through(BLOCKS, index, _state)
+def test_readme_blocks_run_in_order():
+    # One test for every block, so that one worker runs them in order, once each. (Per-block
+    # tests grouped with pytest-xdist's xdist_group did not stay on one worker: with pytest
+    # 9.2 the group suffix xdist 3.8 writes into the node id is ignored, and a worker that got
+    # a later block ran every block above it again.) A failing block's traceback and message
+    # name its README.md line.
+    state = {"namespace": {"__name__": "readme"}, "done": 0}
+    for index, (line, source) in enumerate(BLOCKS):
+        if source.startswith(SUBPROCESS_MARKER):
+            _run_in_subprocess(line, source)
+        else:
+            _run_through(BLOCKS, index, state)
 
 
 def test_a_raising_block_fails_its_test():

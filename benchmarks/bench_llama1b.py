@@ -1,0 +1,243 @@
+"""A Llama-3.2-1B-shaped model in bfloat16: jaxkv.generate against its read floor and transformers.
+
+Issue 14's third and fourth goals, measured side by side in one run on ``jax.devices()[0]``
+(meant for the GPU; ``--quick`` is a CPU smoke run of every code path on a tiny config):
+
+* the model: Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 kv heads, head dim
+  64, MLP 8192, vocabulary 128256, tied embeddings) with random weights, built by
+  transformers, saved with ``save_pretrained`` and read back by ``jaxkv.models.from_pretrained``
+  in bfloat16, so both hold the same weights;
+* ``first call``: wall time of the first ``jaxkv.generate`` call of each layer layout
+  (``scan_layers=True``, the accelerator default, and ``False``, one block per layer), compile
+  included;
+* per cell (batch, prompt length), seconds per decode step of
+  - ``jaxkv scan`` / ``jaxkv per-layer``: ``bench_generate.time_jaxkv`` (a jitted loop of
+    ``generate``'s decode step on a donated prefilled cache, its tokens checked equal to
+    ``jaxkv.generate``'s);
+  - ``floor``: a jitted ``jnp.sum`` over one bfloat16 buffer as large as the weights plus the
+    cache at that fill, what any step must read at least;
+  - ``hf eager``: transformers ``generate`` with ``cache_implementation="static"`` and
+    ``disable_compile=True``; ``hf compiled``: the same with transformers' automatic
+    ``torch.compile`` of the forward (its default for a static cache on CUDA), the first
+    call compiling outside the clock. Step time: the median gap between logits-processor
+    calls, best of R (``bench_generate.time_hf``);
+  - greedy tokens of jaxkv and transformers compared over the first steps (bfloat16 rounding
+    differs between the two, so a late divergence is reported, not raised).
+
+Ratios printed: jaxkv / floor (goals <= 1.3 at batch 1 and <= 1.5 at batch 32, 1K prompt),
+hf eager / jaxkv (goal >= 2), hf compiled / jaxkv, first call (goal < 10 s).
+
+    python benchmarks/bench_llama1b.py [--json PATH]     # on the GPU
+    python benchmarks/bench_llama1b.py --quick           # CPU smoke run, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import bench_generate as bg  # noqa: E402
+from common import machine, print_table, write_json  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    vocab_size: int = 128256
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    num_layers: int = 16
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    max_position_embeddings: int = 4096
+
+    def hf_config(self):
+        import transformers
+
+        return transformers.LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True,
+            rope_theta=500000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0, dtype="bfloat16",
+        )
+
+
+LLAMA_1B = Shape()
+TINY = Shape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=16, max_position_embeddings=512)
+
+
+def build(shape: Shape, directory: str, device: str):
+    """The transformers model (bfloat16, on ``device``) and its checkpoint in ``directory``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(shape.hf_config()).to(torch.bfloat16).eval()
+    hf.save_pretrained(directory)
+    return hf
+
+
+def read_floor(model, shape: Shape, batch: int, context: int, repeats: int) -> float:
+    """Seconds for a jitted ``jnp.sum`` over as many bfloat16 values as weights + cache."""
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    cache = 2 * shape.num_layers * batch * shape.num_kv_heads * context * shape.head_dim
+    buffer = jax.random.normal(jax.random.key(0), (weights + cache,), jnp.bfloat16)
+    read = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    read(buffer).block_until_ready()
+    return bg.best_time(lambda: read(buffer).block_until_ready(), max(repeats, 10))
+
+
+def time_hf(hf, ids: np.ndarray, steps: int, repeats: int, *, compiled: bool, device: str) -> float:
+    """transformers' static-cache decode step (median gap between logits-processor calls).
+
+    With ``compiled``, raises if transformers did not actually build its ``torch.compile``'d
+    forward (its automatic compilation has conditions of its own).
+    """
+    import torch
+    import transformers
+
+    def generate(n, stamps):
+        class Stamp:
+            def __call__(self, input_ids, scores):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                stamps.append(time.perf_counter())
+                return scores
+
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                      cache_implementation="static", disable_compile=not compiled, logits_processor=[Stamp()])
+        if compiled and not device.startswith("cuda"):
+            # transformers compiles automatically on accelerators only; this flag is its own
+            # switch for other devices (the --quick smoke run of this path)
+            config = transformers.CompileConfig()
+            config._compile_all_devices = True
+            kwargs["compile_config"] = config
+        with torch.inference_mode():
+            tokens = torch.as_tensor(ids, device=device)
+            return hf.generate(tokens, attention_mask=torch.ones_like(tokens), **kwargs)
+
+    generate(steps + 1, [])  # warm-up: the compiled variant compiles here
+    if compiled and not hasattr(hf, "_compiled_call"):
+        raise RuntimeError("transformers did not compile its forward; the 'hf compiled' figure would be eager")
+    runs = []
+    for _ in range(repeats):
+        stamps: list[float] = []
+        generate(steps + 1, stamps)
+        runs.append(float(np.median(np.diff(stamps))))
+    return min(runs)
+
+
+def hf_tokens(hf, ids: np.ndarray, steps: int, device: str) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        tokens = torch.as_tensor(ids, device=device)
+        out = hf.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=steps,
+                          min_new_tokens=steps, do_sample=False, pad_token_id=0, cache_implementation="static",
+                          disable_compile=True)
+    return out[:, ids.shape[1]:].cpu().numpy()
+
+
+def run(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int, hf_compiled: bool) -> dict:
+    import jaxkv
+    from jaxkv.models import from_pretrained
+
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    payload: dict = {"shape": dataclasses.asdict(shape), "steps": steps, "repeats": repeats, "rows": [],
+                     "first_call_s": {}}
+    with tempfile.TemporaryDirectory() as directory:
+        start = time.perf_counter()
+        hf = build(shape, directory, device)
+        models = {}
+        for name, scan in (("jaxkv scan", True), ("jaxkv per-layer", False)):
+            models[name] = from_pretrained(directory, dtype=jnp.bfloat16, scan_layers=scan).model
+        payload["build_s"] = time.perf_counter() - start
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(models["jaxkv scan"], nnx.Param)))
+    payload["parameters"] = int(parameters)
+    print(f"model: {parameters / 1e9:.3f}B parameters (bfloat16), built and loaded in {payload['build_s']:.0f} s")
+
+    first_ids = np.random.default_rng(1).integers(1, shape.vocab_size, (1, 128 if shape is LLAMA_1B else 16))
+    for name, model in models.items():
+        start = time.perf_counter()
+        jaxkv.generate(model, jnp.asarray(first_ids), 16).tokens.block_until_ready()
+        payload["first_call_s"][name] = time.perf_counter() - start
+        print(f"first generate call, {name}: {payload['first_call_s'][name]:.1f} s (compile included)")
+
+    for batch, prompt in cells:
+        ids = np.random.default_rng(batch * 7919 + prompt).integers(1, shape.vocab_size, (batch, prompt))
+        row = {"batch": batch, "prompt": prompt}
+        for name, model in models.items():
+            row[name] = bg.time_jaxkv(model, ids, steps, repeats)
+        row["floor"] = read_floor(models["jaxkv scan"], shape, batch, prompt + steps // 2, repeats)
+        row["hf eager"] = time_hf(hf, ids, steps, repeats, compiled=False, device=device)
+        row["hf compiled"] = (time_hf(hf, ids, steps, repeats, compiled=True, device=device)
+                              if hf_compiled else None)
+        ours = np.asarray(jaxkv.generate(models["jaxkv scan"], jnp.asarray(ids), 16).tokens)
+        theirs = hf_tokens(hf, ids, 16, device)
+        same = ours == theirs
+        row["tokens_equal_first_16"] = bool(same.all())
+        row["first_divergence"] = int(np.argmin(same.all(0))) if not same.all() else None
+        payload["rows"].append(row)
+        print(f"  B={batch} P={prompt}: " + ", ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in row.items() if isinstance(v, float)), flush=True)
+    return payload
+
+
+def report(payload: dict) -> None:
+    best = lambda r: min(r["jaxkv scan"], r["jaxkv per-layer"])  # noqa: E731
+    rows = []
+    for r in payload["rows"]:
+        compiled = r["hf compiled"]
+        rows.append([
+            r["batch"], r["prompt"], f"{r['jaxkv scan'] * 1e3:.2f}", f"{r['jaxkv per-layer'] * 1e3:.2f}",
+            f"{r['floor'] * 1e3:.2f}", f"{best(r) / r['floor']:.2f}x", f"{r['hf eager'] * 1e3:.2f}",
+            f"{r['hf eager'] / best(r):.2f}x",
+            "-" if compiled is None else f"{compiled * 1e3:.2f}",
+            "-" if compiled is None else f"{compiled / best(r):.2f}x",
+            "yes" if r["tokens_equal_first_16"] else f"from step {r['first_divergence']}",
+        ])
+    print_table(
+        ["B", "prompt", "jaxkv scan ms", "per-layer ms", "floor ms", "jaxkv/floor", "hf eager ms", "hf eager/jaxkv",
+         "hf compiled ms", "hf compiled/jaxkv", "same greedy tokens"],
+        rows,
+    )
+    print("first generate call: " + ", ".join(f"{k} {v:.1f} s" for k, v in payload["first_call_s"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny config on any backend: a smoke run")
+    parser.add_argument("--json", default=None, help="where to write the figures (default: results/llama1b_<backend>.json)")
+    parser.add_argument("--hf-compiled", choices=("auto", "yes", "no"), default="auto",
+                        help="time transformers with torch.compile (auto: on a GPU only; inductor on a CPU is slow)")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    hf_compiled = args.hf_compiled == "yes" or (args.hf_compiled == "auto" and on_gpu)
+    if args.quick:
+        payload = run(TINY, [(1, 16), (2, 64)], steps=8, repeats=2, hf_compiled=hf_compiled)
+    else:
+        payload = run(LLAMA_1B, [(1, 128), (1, 1024), (32, 1024)], steps=32, repeats=3, hf_compiled=hf_compiled)
+    payload["machine"], payload["device"] = machine(), str(jax.devices()[0])
+    report(payload)
+    if args.json or not args.quick:
+        write_json(args.json or str(HERE / "results" / f"llama1b_{jax.default_backend()}.json"), payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 14's prepared accelerator run, one call of the device tool on the H200 (about 10 min;
+# run it with timeout_s 600 and give the machine back after):
+#
+#   bash scripts/device_run.sh                    # everything, results under $OUT
+#   SECTIONS=llama1b bash scripts/device_run.sh   # one part of bench_device.py (a rerun)
+#   SKIP_TESTS=1 ...                              # no pytest part
+#   BENCH_ARGS=--quick ...                        # small sizes (the CPU smoke run of this script)
+#
+# 1. tests/test_pallas_gpu.py on the GPU (the kernels compiled by Triton, not interpreted),
+#    against the float64 reference;
+# 2. benchmarks/bench_device.py: decode attention kernels, capacity independence, bandwidth,
+#    the donated loop, generate, and the 1B-shape model against its read floor and
+#    transformers (bench_llama1b.py). Tables go to the log, figures to $OUT/device.json.
+# Uses what the device image has (jax[cuda], flax, torch, transformers, pytest, chex,
+# hypothesis): nothing is installed, the repository is put on PYTHONPATH.
+set -uo pipefail
+out=${OUT:-/tmp/jaxkv-device}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 - <<'PY' 2>&1 | tee "$out/env.txt"
+import jax, sys
+print(sys.version.split()[0], "jax", jax.__version__, jax.devices())
+PY
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$out/env.txt"
+if [ -z "${SKIP_TESTS:-}" ]; then
+    JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:xdist -p no:cacheprovider \
+        tests/test_pallas_gpu.py 2>&1 | tee "$out/pallas_tests.log"
+fi
+timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_device.py ${BENCH_ARGS:-} \
+    --sections "${SECTIONS:-kernels,capacity,bandwidth,loop,generate,llama1b}" --json "$out/device.json" 2>&1 \
+    | tee "$out/bench_device.log"
