@@ -34,8 +34,11 @@ def test_embedded_model_greedy_tokens_equal_transformers():
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt).ids
+        prompt_ids = torch.tensor([ids])
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                              pad_token_id=0).numpy()[0, len(ids):]
+            # The prompt starts with <|endoftext|> (id 0), which is also the pad id: without an
+            # explicit mask transformers takes it for padding and masks it out.
+            ref = hf.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=32,
+                              do_sample=False, eos_token_id=None, pad_token_id=0).numpy()[0, len(ids):]
         got = np.asarray(generate(loaded.model, jnp.asarray([ids]), 32).tokens[0])
         np.testing.assert_array_equal(got, ref)
