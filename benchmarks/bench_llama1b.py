@@ -53,32 +53,19 @@ import bench_generate as bg  # noqa: E402
 from common import machine, print_table, write_json  # noqa: E402
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    vocab_size: int = 128256
-    hidden_size: int = 2048
-    intermediate_size: int = 8192
-    num_layers: int = 16
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 64
-    max_position_embeddings: int = 4096
-
-    def hf_config(self):
-        import transformers
-
-        return transformers.LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True,
-            rope_theta=500000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0, dtype="bfloat16",
-        )
-
-
-LLAMA_1B = Shape()
+Shape = bg.BenchConfig
+LLAMA_1B = Shape(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                 num_kv_heads=8, head_dim=64, max_position_embeddings=4096)
 TINY = Shape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=16, max_position_embeddings=512)
+
+
+def hf_config(shape: Shape):
+    """transformers' config of ``shape`` as Llama 3.2 1B has it: tied embeddings, RoPE theta 500000."""
+    import transformers
+
+    kwargs = {**shape.hf_kwargs(), "tie_word_embeddings": True, "rope_theta": 500000.0, "dtype": "bfloat16"}
+    return transformers.LlamaConfig(**kwargs)
 
 
 def build(shape: Shape, directory: str, device: str):
@@ -88,7 +75,7 @@ def build(shape: Shape, directory: str, device: str):
 
     torch.manual_seed(0)
     with torch.device(device):
-        hf = transformers.LlamaForCausalLM(shape.hf_config()).to(torch.bfloat16).eval()
+        hf = transformers.LlamaForCausalLM(hf_config(shape)).to(torch.bfloat16).eval()
     hf.save_pretrained(directory)
     return hf
 
