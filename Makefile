@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_BASE := $(VENV)/.stamp-base
 STAMP_TEST := $(VENV)/.stamp-test
 
-.PHONY: demo demo-caches test test-fast bench clean
+.PHONY: demo demo-caches cpu-kernel test test-fast bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,19 +27,20 @@ demo: $(STAMP_BASE)
 demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
-# Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
-# The CPU attention kernel is built first (once per machine, cached; about 20 s of g++ on a new
-# machine; without a compiler it warns and the XLA path is tested), so that the two workers do
-# not both compile it on their first attention call.
-# The whole suite and the notebooks: what CI runs (.ci/run).
-test: $(STAMP_TEST)
+# The CPU attention kernel, built before the tests (once per machine, cached; about 20 s of g++
+# on a new machine; without a compiler it warns and the XLA path is tested), so that the two
+# pytest workers do not both compile it on their first attention call.
+cpu-kernel: $(STAMP_TEST)
 	$(PY) -c "import jaxkv._kernels as k; k.available()"
+
+# Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
+# The whole suite and the notebooks: what CI runs (.ci/run).
+test: cpu-kernel
 	$(PY) -m pytest -q -n 2 tests --nbmake notebooks
 
 # The inner loop: the suite without the tests marked slow (transformers references,
 # subprocesses, README blocks, the longest generation checks) and without the notebooks.
-test-fast: $(STAMP_TEST)
-	$(PY) -c "import jaxkv._kernels as k; k.available()"
+test-fast: cpu-kernel
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 # Every benchmark, each printing its table and writing benchmarks/results/*.json.

@@ -207,9 +207,7 @@ def jaxkv_decode_loop(model, ids: np.ndarray, steps: int):
         _, cache, out = jax.lax.fori_loop(0, steps, body, (first, cache, out))
         return out, cache  # returned, so the donated input buffers become the loop's own
 
-    def decode(first, cache):
-        return decode_with(state, first, cache)
-
+    decode = partial(decode_with, state)
     first, cache = prefilled(state)
 
     def fresh():

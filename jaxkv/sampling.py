@@ -56,6 +56,12 @@ def greedy(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
     return jnp.min(jnp.where(hits, ids, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
+def _keep_only(logits: jax.Array, ids: jax.Array, keep: jax.Array | bool = True) -> jax.Array:
+    """``logits`` [B, V] with ``-inf`` except at ``ids`` [B, K] where ``keep`` [B, K] holds."""
+    mask = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], ids].set(keep)
+    return jnp.where(mask, logits, -jnp.inf)
+
+
 def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
     """Keeps exactly the ``k`` largest logits of each row; the rest become ``-inf``.
 
@@ -64,9 +70,7 @@ def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
     """
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    _, ids = jax.lax.top_k(logits, k)  # [B, k]
-    keep = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], ids].set(True)
-    return jnp.where(keep, logits, -jnp.inf)
+    return _keep_only(logits, jax.lax.top_k(logits, k)[1])
 
 
 def _top_p_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:  # [B, K] descending -> bool [B, K]
@@ -90,9 +94,7 @@ def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
     if p >= 1.0:
         return logits
     order = jnp.argsort(-logits, axis=-1, stable=True)
-    keep_sorted = _top_p_keep_sorted(jnp.take_along_axis(logits, order, axis=-1), p)
-    keep = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-    return jnp.where(keep, logits, -jnp.inf)
+    return _keep_only(logits, order, _top_p_keep_sorted(jnp.take_along_axis(logits, order, axis=-1), p))
 
 
 def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:

@@ -125,19 +125,18 @@ def validation_loss(loaded, files, context=256) -> float:
     model = loaded.model
 
     @jax.jit
-    def nll(batch):
+    def nll(batch):  # [16, context + 1] -> [16]: each window's summed negative log-likelihood
         logits, _ = model(batch[:, :-1], None, None)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0].sum()
+        return -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0].sum(axis=-1)
 
     total = 0.0
     for i in range(0, len(windows), 16):
         chunk = windows[i : i + 16]
-        if len(chunk) < 16:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], 16 - len(chunk), 0)])
-            total += float(nll(jnp.asarray(chunk))) * (len(windows) - i) / 16
-        else:
-            total += float(nll(jnp.asarray(chunk)))
+        real = len(chunk)
+        if real < 16:  # one program: pad the last chunk, count only its real windows
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], 16 - real, 0)])
+        total += float(np.asarray(nll(jnp.asarray(chunk)))[:real].sum())
     return total / (len(windows) * context)
 
 

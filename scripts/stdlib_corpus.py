@@ -28,6 +28,18 @@ MAX_FILE_BYTES = 400_000
 
 
 
+def _read_source(path: Path) -> str | None:
+    """The file's text with LF line ends, or None when the corpus rules leave it out: not a
+    regular file, over MAX_FILE_BYTES, not UTF-8, or under 64 non-blank characters."""
+    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
+    except UnicodeDecodeError:
+        return None
+    return text if len(text.strip()) >= 64 else None
+
+
 def collect_sources(stdlib: Path):
     files = []
     for path in sorted(stdlib.rglob("*.py")):
@@ -36,16 +48,8 @@ def collect_sources(stdlib: Path):
             continue
         if any(part.startswith(EXCLUDED_PREFIXES) for part in rel.parts):
             continue
-        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        text = text.replace("\r\n", "\n")
-        if len(text.strip()) < 64:
-            continue
-        files.append((rel.as_posix(), text))
+        if (text := _read_source(path)) is not None:
+            files.append((rel.as_posix(), text))
     return files
 
 
@@ -71,13 +75,11 @@ def collect_extra(stdlib: Path, dirs):
         if not root.is_dir():
             raise SystemExit(f"--extra-train-dirs: {root} is not a directory")
         for path in sorted(root.rglob("*.py")):
-            if "__pycache__" in path.parts or not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            if "__pycache__" in path.parts or (text := _read_source(path)) is None:
                 continue
             try:
-                text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
                 ast.parse(text)
-            except (UnicodeDecodeError, SyntaxError, ValueError):
+            except (SyntaxError, ValueError):
                 continue
-            if len(text.strip()) >= 64:
-                files.append((path.relative_to(stdlib).as_posix(), text))
+            files.append((path.relative_to(stdlib).as_posix(), text))
     return files

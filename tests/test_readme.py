@@ -28,14 +28,14 @@ def _blocks() -> list[tuple[int, str]]:
 BLOCKS = _blocks()
 
 
-def _run_through(blocks: list[tuple[int, str]], index: int, state: dict) -> None:
-    """Runs the in-process blocks up to ``index`` that have not run yet, in one namespace."""
-    while state["done"] <= index:
-        line, source = blocks[state["done"]]
-        state["done"] += 1
-        if not source.startswith(SUBPROCESS_MARKER):
+def _run_blocks(blocks: list[tuple[int, str]], namespace: dict) -> None:
+    """Runs the blocks in order: in-process ones in ``namespace``, marked ones in a subprocess."""
+    for line, source in blocks:
+        if source.startswith(SUBPROCESS_MARKER):
+            _run_in_subprocess(line, source)
+        else:
             # Blank lines up front make tracebacks point at README.md's own line numbers.
-            exec(compile("\n" * (line - 1) + source, str(README), "exec"), state["namespace"])
+            exec(compile("\n" * (line - 1) + source, str(README), "exec"), namespace)
 
 
 def _run_in_subprocess(line: int, source: str) -> None:
@@ -59,20 +59,15 @@ def test_readme_blocks_run_in_order():
     # 9.2 the group suffix xdist 3.8 writes into the node id is ignored, and a worker that got
     # a later block ran every block above it again.) A failing block's traceback and message
     # name its README.md line.
-    state = {"namespace": {"__name__": "readme"}, "done": 0}
-    for index, (line, source) in enumerate(BLOCKS):
-        if source.startswith(SUBPROCESS_MARKER):
-            _run_in_subprocess(line, source)
-        else:
-            _run_through(BLOCKS, index, state)
+    _run_blocks(BLOCKS, {"__name__": "readme"})
 
 
 def test_a_raising_block_fails_its_test():
     blocks = [(1, "x = 1\n"), (3, "y = x + 1\n1 / 0\n"), (6, "z = 3\n")]
-    state = {"namespace": {}, "done": 0}
+    namespace = {}
     with pytest.raises(ZeroDivisionError) as info:
-        _run_through(blocks, 2, state)
+        _run_blocks(blocks, namespace)
     assert info.traceback[-1].lineno + 1 == 4  # README line of the raising statement
-    assert state["namespace"]["y"] == 2 and "z" not in state["namespace"]
+    assert namespace["y"] == 2 and "z" not in namespace
     with pytest.raises(pytest.fail.Exception, match="block at line 2 failed"):
         _run_in_subprocess(2, SUBPROCESS_MARKER + "\nraise SystemExit(3)\n")
