@@ -111,6 +111,13 @@ def parse_args(argv=None):
         help="stdlib subfolders (e.g. 'test') whose sources are added to the training split only: the "
         "validation files and the tokenizer's training text stay the base corpus's",
     )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="an HF model directory written by this script: start from its weights (the architecture "
+        "options are then read from its config.json) and carry its training log forward. The "
+        "tokenizer this run trains must equal the directory's tokenizer.json byte for byte",
+    )
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--log-every", type=int, default=25)
@@ -203,6 +210,37 @@ def make_model(args, vocab_size, eot_id):
     )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
+
+
+def load_init(args, tok, eot_id):
+    """The model in ``args.init_from`` and the training log that made it (or None).
+
+    The run continues that model's training on the same token ids, so the tokenizer trained
+    here (deterministic from the corpus) has to be the one saved with it.
+    """
+    from transformers import LlamaForCausalLM
+
+    src = Path(args.init_from)
+    if not src.is_absolute():
+        src = REPO / src
+    saved = (src / "tokenizer.json").read_text()
+    if saved != tok.to_str(pretty=True):
+        raise SystemExit(
+            f"--init-from {src}: its tokenizer.json differs from the tokenizer trained on this corpus, "
+            "so its token ids would not mean the same text; train from scratch (no --init-from) or use "
+            "the Python whose stdlib made that model"
+        )
+    model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    cfg = model.config
+    for name, value in (("hidden", cfg.hidden_size), ("layers", cfg.num_hidden_layers),
+                        ("heads", cfg.num_attention_heads), ("kv_heads", cfg.num_key_value_heads),
+                        ("intermediate", cfg.intermediate_size), ("max_positions", cfg.max_position_embeddings)):
+        setattr(args, name, value)
+    log_path = REPO / args.docs / "training_log.json"
+    prior = json.loads(log_path.read_text()) if log_path.exists() else None
+    print(f"init from {src} (prior run: {prior['command'] if prior else 'no log'})", flush=True)
+    return model, prior
 
 
 def lr_at(step, args, progress=None):
@@ -380,7 +418,11 @@ def main(argv=None):
     val_starts = np.linspace(0, len(val_ids) - T, n_val).astype(np.int64)
     val_windows = torch.from_numpy(np.stack([val_ids[s : s + T] for s in val_starts]).astype(np.int64))
 
-    model = make_model(args, tok.get_vocab_size(), eot_id)
+    prior_log = None
+    if args.init_from:
+        model, prior_log = load_init(args, tok, eot_id)
+    else:
+        model = make_model(args, tok.get_vocab_size(), eot_id)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
     opt = torch.optim.AdamW(
@@ -388,6 +430,10 @@ def main(argv=None):
     )
 
     history = []
+    if args.init_from:
+        # where the starting weights stand, on the same validation windows
+        history.append({"step": 0, "val_loss": evaluate(model, val_windows, args.batch), "elapsed_s": 0.0})
+        print(f"step     0  val {history[0]['val_loss']:.4f} (starting weights)", flush=True)
     schedule_cuts = []
     running, running_n = 0.0, 0
     stopped_early = None
@@ -474,7 +520,7 @@ def main(argv=None):
 
     weight_bytes = (out / "model.safetensors").stat().st_size
     final_val = [h["val_loss"] for h in history if "val_loss" in h][-1]
-    last_train = [h["train_loss"] for h in history][-4:]
+    last_train = [h["train_loss"] for h in history if "train_loss" in h][-4:]
     log = {
         "command": cmd,
         "cwd_note": "run from the repository root",
@@ -523,10 +569,18 @@ def main(argv=None):
         "history": history,
         "samples": smp,
     }
+    if args.init_from:
+        # The runs that made the starting weights, newest first, each without its own samples.
+        prior = dict(prior_log or {})
+        earlier = prior.pop("previous_runs", [])
+        prior.pop("samples", None)
+        log["init_from"] = args.init_from
+        log["previous_runs"] = ([prior] if prior else []) + earlier
     docs = (REPO / args.docs) if not os.path.isabs(args.docs) else Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     title = (f"pycoder: {n_params/1e6:.2f}M-param Llama on CPython stdlib, "
-             f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, 2 shared CPU cores")
+             + ("continued: " if args.init_from else "")
+             + f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, 2 shared CPU cores")
     plot(history, docs / "training_loss.png", title)
     (docs / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     print(f"saved {out} ({weight_bytes/1e6:.2f} MB weights); total {time.time()-t_start:.0f}s", flush=True)
