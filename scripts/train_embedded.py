@@ -118,6 +118,13 @@ def parse_args(argv=None):
         "options are then read from its config.json) and carry its training log forward. The "
         "tokenizer this run trains must equal the directory's tokenizer.json byte for byte",
     )
+    p.add_argument(
+        "--write-data",
+        default=None,
+        help="write the tokenizer and token streams to this directory and stop (for --data on another machine)",
+    )
+    p.add_argument("--data", default=None, help="train on a directory written by --write-data instead of this stdlib")
+    p.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--log-every", type=int, default=25)
@@ -212,6 +219,87 @@ def make_model(args, vocab_size, eot_id):
     return LlamaForCausalLM(cfg)
 
 
+def prepare_corpus(args):
+    """Tokenizer, token streams and a description of the corpus, from this Python's stdlib."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = collect_sources(stdlib)
+    train_files, val_files = split_files(files)
+    extra_files = collect_extra(stdlib, args.extra_train_dirs)
+    corpus_sha = hashlib.sha256("".join(p + "\0" + t for p, t in files).encode()).hexdigest()
+    n_bytes = {k: sum(len(t.encode()) for _, t in v) for k, v in (("train", train_files), ("val", val_files))}
+    n_bytes["extra"] = sum(len(t.encode()) for _, t in extra_files)
+    print(f"stdlib {stdlib}: {len(train_files)} train files ({n_bytes['train']/1e6:.2f} MB), "
+          f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB), {len(extra_files)} extra training "
+          f"files from {args.extra_train_dirs} ({n_bytes['extra']/1e6:.2f} MB)", flush=True)
+
+    t0 = time.time()
+    tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
+    eot_id = tok.token_to_id(EOT)
+    bad = check_roundtrip(tok, [t for _, t in val_files])
+    assert bad == 0, f"{bad} validation files do not round-trip through the tokenizer"
+    train_ids = encode_stream(tok, [t for _, t in train_files + extra_files], eot_id)
+    val_ids = encode_stream(tok, [t for _, t in val_files], eot_id)
+    tok_time = time.time() - t0
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_ids)} train tokens "
+          f"({(n_bytes['train'] + n_bytes['extra'])/len(train_ids):.2f} bytes/token), {len(val_ids)} val tokens, "
+          f"{tok_time:.1f}s", flush=True)
+    corpus = {
+        "stdlib": str(stdlib),
+        "python": sys.version.split()[0],
+        "train_files": len(train_files),
+        "val_files": len(val_files),
+        "val_file_names": [p for p, _ in val_files],
+        "train_bytes": n_bytes["train"],
+        "extra_train_dirs": args.extra_train_dirs,
+        "extra_train_files": len(extra_files),
+        "extra_train_bytes": n_bytes["extra"],
+        "val_bytes": n_bytes["val"],
+        "train_tokens": int(len(train_ids)),
+        "val_tokens": int(len(val_ids)),
+        "sha256": corpus_sha,
+        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "tokenizer_and_data_s": round(tok_time, 1),
+    }
+    return tok, train_ids, val_ids, corpus
+
+
+DATA_FILES = ("tokenizer.json", "train_ids.npy", "val_ids.npy", "corpus.json")
+
+
+def write_data(path, tok, train_ids, val_ids, corpus):
+    """What ``--data`` reads: the tokenizer, both token streams (uint16) and the corpus record.
+
+    A machine with another Python (the accelerator's has 3.12, this one 3.11) has another
+    stdlib, so a run there trains on the data made here instead of its own.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    np.save(path / "train_ids.npy", train_ids)
+    np.save(path / "val_ids.npy", val_ids)
+    (path / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
+    size = sum((path / f).stat().st_size for f in DATA_FILES)
+    print(f"wrote {path}: {', '.join(DATA_FILES)} ({size/1e6:.1f} MB)", flush=True)
+
+
+def load_data(path):
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    missing = [f for f in DATA_FILES if not (path / f).exists()]
+    if missing:
+        raise SystemExit(f"--data {path}: missing {', '.join(missing)}; write it with --write-data {path}")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    train_ids = np.load(path / "train_ids.npy")
+    val_ids = np.load(path / "val_ids.npy")
+    corpus = json.loads((path / "corpus.json").read_text())
+    if (len(train_ids), len(val_ids)) != (corpus["train_tokens"], corpus["val_tokens"]):
+        raise SystemExit(f"--data {path}: the token files do not have the lengths corpus.json records")
+    print(f"data {path}: {len(train_ids)} train tokens, {len(val_ids)} val tokens "
+          f"(made from the stdlib of Python {corpus['python']})", flush=True)
+    return tok, train_ids, val_ids, corpus
+
+
 def load_init(args, tok, eot_id):
     """The model in ``args.init_from`` and the training log that made it (or None).
 
@@ -294,7 +382,7 @@ def save_hf_dir(model, tok, out: Path, args, eot_id):
     for stale in out.iterdir():
         if stale.is_file():
             stale.unlink()
-    model = model.to(torch.float32)
+    model = model.to(device="cpu", dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=eot_id,
         eos_token_id=eot_id,
@@ -390,39 +478,27 @@ def main(argv=None):
     )
     print(f"command: {cmd}", flush=True)
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = collect_sources(stdlib)
-    train_files, val_files = split_files(files)
-    extra_files = collect_extra(stdlib, args.extra_train_dirs)
-    corpus_sha = hashlib.sha256("".join(p + "\0" + t for p, t in files).encode()).hexdigest()
-    n_bytes = {k: sum(len(t.encode()) for _, t in v) for k, v in (("train", train_files), ("val", val_files))}
-    n_bytes["extra"] = sum(len(t.encode()) for _, t in extra_files)
-    print(f"stdlib {stdlib}: {len(train_files)} train files ({n_bytes['train']/1e6:.2f} MB), "
-          f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB), {len(extra_files)} extra training "
-          f"files from {args.extra_train_dirs} ({n_bytes['extra']/1e6:.2f} MB)", flush=True)
-
-    t0 = time.time()
-    tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
+    if args.data:
+        tok, train_ids, val_ids, corpus = load_data(args.data)
+    else:
+        tok, train_ids, val_ids, corpus = prepare_corpus(args)
     eot_id = tok.token_to_id(EOT)
-    bad = check_roundtrip(tok, [t for _, t in val_files])
-    assert bad == 0, f"{bad} validation files do not round-trip through the tokenizer"
-    train_ids = encode_stream(tok, [t for _, t in train_files + extra_files], eot_id)
-    val_ids = encode_stream(tok, [t for _, t in val_files], eot_id)
-    tok_time = time.time() - t0
-    print(f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_ids)} train tokens "
-          f"({(n_bytes['train'] + n_bytes['extra'])/len(train_ids):.2f} bytes/token), {len(val_ids)} val tokens, "
-          f"{tok_time:.1f}s", flush=True)
+    if args.write_data:
+        write_data(args.write_data, tok, train_ids, val_ids, corpus)
+        return
+    device = torch.device(args.device)
 
     T = args.context + 1
     n_val = min(args.eval_windows, len(val_ids) // T)
     val_starts = np.linspace(0, len(val_ids) - T, n_val).astype(np.int64)
-    val_windows = torch.from_numpy(np.stack([val_ids[s : s + T] for s in val_starts]).astype(np.int64))
+    val_windows = torch.from_numpy(np.stack([val_ids[s : s + T] for s in val_starts]).astype(np.int64)).to(device)
 
     prior_log = None
     if args.init_from:
         model, prior_log = load_init(args, tok, eot_id)
     else:
         model = make_model(args, tok.get_vocab_size(), eot_id)
+    model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
     opt = torch.optim.AdamW(
@@ -453,14 +529,14 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         starts = rng.integers(0, len(train_ids) - T, size=args.batch)
-        batch = torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts]).astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        batch = torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts]).astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = lm_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
-        running += loss.item()
+        running += loss.detach()  # summed on the device: no host sync per step
         running_n += 1
         step += 1
 
@@ -487,7 +563,7 @@ def main(argv=None):
         if done % args.log_every == 0 or last or over_time:
             rec = {
                 "step": done,
-                "train_loss": running / running_n,
+                "train_loss": float(running) / running_n,
                 "lr": lr,
                 "grad_norm": float(gnorm),
                 "tokens_seen": done * args.batch * args.context,
@@ -530,21 +606,8 @@ def main(argv=None):
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "tokenizers": __import__("tokenizers").__version__,
-        "stdlib": str(stdlib),
-        "corpus": {
-            "train_files": len(train_files),
-            "val_files": len(val_files),
-            "val_file_names": [p for p, _ in val_files],
-            "train_bytes": n_bytes["train"],
-            "extra_train_dirs": args.extra_train_dirs,
-            "extra_train_files": len(extra_files),
-            "extra_train_bytes": n_bytes["extra"],
-            "val_bytes": n_bytes["val"],
-            "train_tokens": int(len(train_ids)),
-            "val_tokens": int(len(val_ids)),
-            "sha256": corpus_sha,
-            "excluded_dirs": sorted(EXCLUDED_DIRS),
-        },
+        "stdlib": corpus["stdlib"],
+        "corpus": {k: v for k, v in corpus.items() if k != "stdlib"},
         "tokenizer": {"vocab_size": tok.get_vocab_size(), "eot_token": EOT, "eot_id": eot_id},
         "model": {
             "architecture": "LlamaForCausalLM",
@@ -562,7 +625,7 @@ def main(argv=None):
             "epochs_over_train_tokens": steps_done * args.batch * args.context / len(train_ids),
             "train_wall_s": round(train_time, 1),
             "total_wall_s": round(time.time() - t_start, 1),
-            "tokenizer_and_data_s": round(tok_time, 1),
+            "tokenizer_and_data_s": corpus["tokenizer_and_data_s"],
             "final_train_loss_mean_last_100_steps": float(np.mean(last_train)),
             "final_val_loss": final_val,
         },
@@ -580,7 +643,8 @@ def main(argv=None):
     docs.mkdir(parents=True, exist_ok=True)
     title = (f"pycoder: {n_params/1e6:.2f}M-param Llama on CPython stdlib, "
              + ("continued: " if args.init_from else "")
-             + f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, 2 shared CPU cores")
+             + f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, "
+             + ("2 shared CPU cores" if device.type == "cpu" else torch.cuda.get_device_name(device)))
     plot(history, docs / "training_loss.png", title)
     (docs / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     print(f"saved {out} ({weight_bytes/1e6:.2f} MB weights); total {time.time()-t_start:.0f}s", flush=True)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 17's prepared training run for the embedded model on the H200, one call of the device
+# tool. The accelerator's Python (3.12) has another stdlib than this machine's (3.11), so the
+# token streams and the tokenizer are made here and carried:
+#
+#   .venv/bin/python scripts/train_embedded.py --extra-train-dirs test --write-data .devdata
+#   device run: command "bash scripts/device_train.sh", carry [".devdata"], timeout_s 600
+#
+# It writes $OUT/pycoder (the HF directory, model.safetensors under the 16 MiB a returned file
+# may have), $OUT/training_log.json, $OUT/training_loss.png and $OUT/train.log: the 8 files that
+# may come back. Here, copy $OUT/pycoder to jaxkv/_assets/pycoder and the two docs files to docs/, then
+# measure with scripts/eval_embedded.py and tests/test_embedded.py.
+#
+#   MINUTES=7          training wall clock (the cosine decay runs over it)
+#   ARGS="..."         more train_embedded.py options: the architecture (--hidden, --layers, ...),
+#                      --init-from jaxkv/_assets/pycoder to continue the shipped model, --lr
+# The defaults: the shipped architecture from scratch, batch 128 x 256 tokens (8x the CPU run's).
+set -uo pipefail
+out=${OUT:-/tmp/jaxkv-train}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1
+"${PYTHON:-python3}" scripts/train_embedded.py --data .devdata --device "${DEVICE:-cuda}" --bf16 \
+    --train-minutes "${MINUTES:-7}" --steps 10000000 --batch "${BATCH:-128}" --warmup 300 \
+    --eval-every 500 --log-every 100 --out "$out/pycoder" --docs "$out" ${ARGS:-} 2>&1
+} | tee "$out/train.log"
