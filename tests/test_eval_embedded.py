@@ -56,3 +56,20 @@ def test_score_end_of_text_finishes_and_empty_bodies_fail():
     assert not eval_embedded.score("def f():", "\nx = 1\n", ended_by_eos=False)["parses"]
     assert not eval_embedded.score("def f():", "", ended_by_eos=True)["parses"]
     assert not eval_embedded.score("def f():", "no newline yet", ended_by_eos=False)["parses"]
+
+
+def test_reference_continuation_is_the_held_out_code_and_scores_finished():
+    """The ceiling row: the function's own dedented source after its header, then a line at
+    column 0; scored whole it parses and finishes, cut before its end it does not finish."""
+    headers = eval_embedded.function_headers([("m.py", SOURCE)])
+    rests = [eval_embedded.reference_continuation(SOURCE, line, header) for _, line, header in headers]
+    assert rests == [
+        "  # a comment on the def line\n    # a comment before the body\n    return a\n" + eval_embedded.END_SENTINEL,
+        '\n    """Doc."""\n    return x\n' + eval_embedded.END_SENTINEL,
+    ]
+    for (_, _, header), rest in zip(headers, rests):
+        whole = eval_embedded.score(header, rest, ended_by_eos=False)
+        assert whole["parses"] and whole["finished"]
+        assert whole["text"] + eval_embedded.END_SENTINEL == header + rest
+        cut = eval_embedded.score(header, rest[: rest.rindex("return")], ended_by_eos=False)
+        assert not cut["finished"]
