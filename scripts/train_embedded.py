@@ -642,7 +642,7 @@ def main(argv=None):
     docs = (REPO / args.docs) if not os.path.isabs(args.docs) else Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     title = (f"pycoder: {n_params/1e6:.2f}M-param Llama on CPython stdlib, "
-             + ("continued: " if args.init_from else "")
+             + ("continued:" if args.init_from else "") + "\n"
              + f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, "
              + ("2 shared CPU cores" if device.type == "cpu" else torch.cuda.get_device_name(device)))
     plot(history, docs / "training_loss.png", title)
