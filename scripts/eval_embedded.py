@@ -178,12 +178,16 @@ def reference_scores(headers, sources, tok, max_new_tokens) -> dict:
         ids = tok.encode(rest).ids[1:]  # without the <|endoftext|> the tokenizer prepends
         cut = tok.decode(ids[:max_new_tokens])
         scored.append({"file": name, "line": line, "tokens": len(ids), **score(header, cut, False)})
+    return {**rates(scored), "scored": scored}
+
+
+def rates(scored) -> dict:
+    """The shares of scored continuations that parse, finish, and do both."""
     n = len(scored)
     return {
         "parse": sum(s["parses"] for s in scored) / n,
         "finished": sum(s["finished"] for s in scored) / n,
         "finished_and_parse": sum(s["parses"] and s["finished"] for s in scored) / n,
-        "scored": scored,
     }
 
 
@@ -242,12 +246,9 @@ def main(argv=None):
             eos = bool(row_tokens) and row_tokens[-1] == 0
             text = tok.decode([t for t in row_tokens if t != 0])
             scored.append({"file": name, "line": line, **score(header, text, eos)})
-        n = len(scored)
         run = {
             "temperature": temperature, "top_k": 40, "top_p": 0.95,
-            "parse": sum(s["parses"] for s in scored) / n,
-            "finished": sum(s["finished"] for s in scored) / n,
-            "finished_and_parse": sum(s["parses"] and s["finished"] for s in scored) / n,
+            **rates(scored),
             "generate_s": round(seconds, 2),
             "scored": scored,
         }

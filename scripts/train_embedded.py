@@ -315,9 +315,7 @@ def load_init(args, tok, eot_id):
     """
     from transformers import LlamaForCausalLM
 
-    src = Path(args.init_from)
-    if not src.is_absolute():
-        src = REPO / src
+    src = (REPO / args.init_from).resolve()  # an absolute path stays itself
     saved = (src / "tokenizer.json").read_text()
     if saved != tok.to_str(pretty=True):
         raise SystemExit(
@@ -332,9 +330,16 @@ def load_init(args, tok, eot_id):
                         ("heads", cfg.num_attention_heads), ("kv_heads", cfg.num_key_value_heads),
                         ("intermediate", cfg.intermediate_size), ("max_positions", cfg.max_position_embeddings)):
         setattr(args, name, value)
-    log_path = REPO / args.docs / "training_log.json"
-    prior = json.loads(log_path.read_text()) if log_path.exists() else None
-    print(f"init from {src} (prior run: {prior['command'] if prior else 'no log'})", flush=True)
+    # The log of the run that wrote src: this run's --docs, else the repository's docs/ (a run
+    # writing elsewhere, as on the accelerator, still finds the shipped model's log).
+    prior = None
+    for log_path in dict.fromkeys((REPO / args.docs / "training_log.json", REPO / "docs" / "training_log.json")):
+        if log_path.exists():
+            log = json.loads(log_path.read_text())
+            if (REPO / log["args"]["out"]).resolve() == src:
+                prior = log
+                break
+    print(f"init from {src} (prior run: {prior['command'] if prior else 'no log of it found'})", flush=True)
     return model, prior
 
 
@@ -595,7 +600,7 @@ def main(argv=None):
     train_time = time.time() - t_train
     steps_done = history[-1]["step"]
 
-    out = (REPO / args.out) if not os.path.isabs(args.out) else Path(args.out)
+    out = REPO / args.out  # an absolute path stays itself
     save_hf_dir(model, tok, out, args, eot_id)
     smp = samples(model, tok, eot_id)
     for s in smp:
@@ -632,7 +637,6 @@ def main(argv=None):
             "epochs_over_train_tokens": steps_done * args.batch * args.context / len(train_ids),
             "train_wall_s": round(train_time, 1),
             "total_wall_s": round(time.time() - t_start, 1),
-            "tokenizer_and_data_s": corpus["tokenizer_and_data_s"],
             "final_train_loss_mean_last_100_steps": float(np.mean(last_train)),
             "final_val_loss": final_val,
         },
@@ -646,7 +650,7 @@ def main(argv=None):
         prior.pop("samples", None)
         log["init_from"] = args.init_from
         log["previous_runs"] = ([prior] if prior else []) + earlier
-    docs = (REPO / args.docs) if not os.path.isabs(args.docs) else Path(args.docs)
+    docs = REPO / args.docs
     docs.mkdir(parents=True, exist_ok=True)
     title = (f"pycoder: {n_params/1e6:.2f}M-param Llama on CPython stdlib, "
              + ("continued:" if args.init_from else "") + "\n"
