@@ -2,6 +2,9 @@
 
 Shared by ``train_embedded.py`` (what the model trains and validates on) and
 ``eval_embedded.py`` (held-out function headers come from the validation files only).
+Training-only extras (stdlib subfolders such as ``test``, installed packages) pass
+:func:`drop_overlapping` first, so that no copy of held-out code (``setuptools`` vendors
+``distutils``, backports vendor ``importlib.metadata``) reaches training.
 """
 
 from __future__ import annotations
@@ -60,6 +63,70 @@ def split_files(files, every=50):
     return train, val
 
 
+def _parsing_sources(root: Path, rel_to: Path, prefix: str = ""):
+    """``(name, text)`` for the ``.py`` files under ``root`` that meet the corpus's size and
+    encoding rules and that ``ast.parse`` accepts."""
+    import ast
+
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts or (text := _read_source(path)) is None:
+            continue
+        try:
+            ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        files.append((prefix + path.relative_to(rel_to).as_posix(), text))
+    return files
+
+
+def collect_packages(names):
+    """Training-only sources from installed packages, and each package's version.
+
+    ``names`` are import names (``numpy``, ``jax``); a name that is not installed, or is a
+    single module rather than a package folder, is an error. File names are
+    ``site-packages/<name>/...``. The versions go into the corpus record, since the text
+    depends on them.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    files, versions = [], {}
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"--extra-train-packages: {name!r} is not an installed package folder "
+                             f"(install it, or drop it from the list)")
+        root = Path(list(spec.submodule_search_locations)[0])
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+        files += _parsing_sources(root, root.parent, "site-packages/")
+    return files, versions
+
+
+def _shingles(text: str, width: int = 4) -> set[int]:
+    """Hashes of every run of ``width`` consecutive non-blank lines, whitespace-stripped."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return {hash("\n".join(lines[i : i + width])) for i in range(len(lines) - width + 1)}
+
+
+def drop_overlapping(files, held_out, max_shared: int = 2):
+    """``files`` without those that share more than ``max_shared`` 4-line runs with
+    ``held_out`` (the validation files), and the names of the dropped ones.
+
+    Four stripped non-blank lines in a row rarely repeat by chance (license headers and
+    ``if __name__ == "__main__":`` blocks do, hence the allowance), but a vendored or copied
+    module shares hundreds.
+    """
+    seen = set().union(*(_shingles(t) for _, t in held_out)) if held_out else set()
+    kept, dropped = [], []
+    for name, text in files:
+        (dropped if len(_shingles(text) & seen) > max_shared else kept).append((name, text))
+    return kept, [n for n, _ in dropped]
+
+
 def collect_extra(stdlib: Path, dirs):
     """Training-only sources from stdlib subfolders the base corpus leaves out (``test``).
 
@@ -67,19 +134,10 @@ def collect_extra(stdlib: Path, dirs):
     sources) and that meet the base corpus's size and encoding rules. They never enter the
     validation split or the tokenizer's training text, so both stay those of the base corpus.
     """
-    import ast
-
     files = []
     for top in dirs:
         root = stdlib / top
         if not root.is_dir():
             raise SystemExit(f"--extra-train-dirs: {root} is not a directory")
-        for path in sorted(root.rglob("*.py")):
-            if "__pycache__" in path.parts or (text := _read_source(path)) is None:
-                continue
-            try:
-                ast.parse(text)
-            except (SyntaxError, ValueError):
-                continue
-            files.append((path.relative_to(stdlib).as_posix(), text))
+        files += _parsing_sources(root, stdlib)
     return files

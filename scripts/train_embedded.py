@@ -72,7 +72,14 @@ EOT = "<|endoftext|>"
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from stdlib_corpus import EXCLUDED_DIRS, collect_extra, collect_sources, split_files  # noqa: E402
+from stdlib_corpus import (  # noqa: E402
+    EXCLUDED_DIRS,
+    collect_extra,
+    collect_packages,
+    collect_sources,
+    drop_overlapping,
+    split_files,
+)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -117,6 +124,13 @@ def parse_args(argv=None):
         default=[],
         help="stdlib subfolders (e.g. 'test') whose sources are added to the training split only: the "
         "validation files and the tokenizer's training text stay the base corpus's",
+    )
+    p.add_argument(
+        "--extra-train-packages",
+        nargs="*",
+        default=[],
+        help="installed packages (import names, e.g. numpy jax) whose sources are added to the training "
+        "split only, like --extra-train-dirs; the corpus record keeps their versions",
     )
     p.add_argument(
         "--init-from",
@@ -232,12 +246,16 @@ def prepare_corpus(args):
     files = collect_sources(stdlib)
     train_files, val_files = split_files(files)
     extra_files = collect_extra(stdlib, args.extra_train_dirs)
+    package_files, package_versions = collect_packages(args.extra_train_packages)
+    # No extra file may carry held-out code (a vendored copy of a validation module).
+    extra_files, dropped = drop_overlapping(extra_files + package_files, val_files)
     corpus_sha = hashlib.sha256("".join(p + "\0" + t for p, t in files).encode()).hexdigest()
     n_bytes = {k: sum(len(t.encode()) for _, t in v) for k, v in (("train", train_files), ("val", val_files))}
     n_bytes["extra"] = sum(len(t.encode()) for _, t in extra_files)
     print(f"stdlib {stdlib}: {len(train_files)} train files ({n_bytes['train']/1e6:.2f} MB), "
           f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB), {len(extra_files)} extra training "
-          f"files from {args.extra_train_dirs} ({n_bytes['extra']/1e6:.2f} MB)", flush=True)
+          f"files from {args.extra_train_dirs + args.extra_train_packages} ({n_bytes['extra']/1e6:.2f} MB; "
+          f"{len(dropped)} dropped for sharing code with a validation file)", flush=True)
 
     t0 = time.time()
     tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
@@ -258,6 +276,8 @@ def prepare_corpus(args):
         "val_file_names": [p for p, _ in val_files],
         "train_bytes": n_bytes["train"],
         "extra_train_dirs": args.extra_train_dirs,
+        "extra_train_packages": package_versions,
+        "extra_dropped_as_overlapping_val": dropped,
         "extra_train_files": len(extra_files),
         "extra_train_bytes": n_bytes["extra"],
         "val_bytes": n_bytes["val"],

@@ -56,3 +56,38 @@ def test_init_from_refuses_a_model_with_another_tokenizer(tok, tmp_path):
     args = Namespace(init_from=str(tmp_path), docs=str(tmp_path))
     with pytest.raises(SystemExit, match="differs from the tokenizer trained on this corpus"):
         train_embedded.load_init(args, tok, 0)
+
+
+def test_extra_sources_that_copy_held_out_code_are_dropped():
+    from stdlib_corpus import drop_overlapping
+
+    held = "\n".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(6))
+    reindented = "class Vendored:\n" + "\n\n".join("    " + ln for ln in held.splitlines())  # a copy, re-indented
+    two_runs = "\n".join(held.splitlines()[:5]) + "\nprint('mine')\n"  # 5 lines: two 4-line runs in common
+    unrelated = "\n".join(f"y{i} = {i}" for i in range(40))
+    kept, dropped = drop_overlapping(
+        [("copy.py", reindented), ("header.py", two_runs), ("own.py", unrelated)], [("val.py", held)]
+    )
+    assert dropped == ["copy.py"]
+    assert [n for n, _ in kept] == ["header.py", "own.py"]
+    assert drop_overlapping([("a.py", held)], []) == ([("a.py", held)], [])
+
+
+def test_extra_train_packages_reads_an_installed_package(tmp_path, monkeypatch):
+    from stdlib_corpus import collect_packages
+
+    pkg = tmp_path / "tinypkg_for_corpus"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def answer():\n    return 42  # long enough to count as a source: 64 characters or more\n")
+    (pkg / "sub" / "mod.py").write_text("class Thing:\n    def method(self):\n        return 'a thing of some length'\n")
+    (pkg / "sub" / "broken.py").write_text("def broken(:\n    pass  # does not parse, so it is left out of the corpus\n")
+    (tmp_path / "single_module_for_corpus.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    files, versions = collect_packages(["tinypkg_for_corpus"])
+    assert [n for n, _ in files] == ["site-packages/tinypkg_for_corpus/__init__.py",
+                                     "site-packages/tinypkg_for_corpus/sub/mod.py"]
+    assert files[1][1].startswith("class Thing:")
+    assert versions == {"tinypkg_for_corpus": None}  # no distribution metadata
+    for bad in ("no_such_package_for_corpus", "single_module_for_corpus"):
+        with pytest.raises(SystemExit, match="is not an installed package folder"):
+            collect_packages([bad])
