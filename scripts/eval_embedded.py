@@ -5,7 +5,9 @@ The prompts are the ``def`` headers (the signature up to its ``:``, dedented) of
 functions in the validation files of ``train_embedded.py``'s split: stdlib files the model
 never trained on. 100 of them, evenly spaced in (file, line) order. For each temperature
 the model continues all 100 in one batch through ``jaxkv.generate`` (ragged prompts, top-k
-40 and top-p 0.95 as the CLI's defaults, per-row keys), and each continuation is scored:
+40 and top-p 0.95 as the CLI's defaults, per-row keys), once per sampling seed (``--seeds``,
+5 by default: one seed's 100 samples move the rates by several points from seed to seed),
+and each continuation is scored:
 
 * the function ends at its first non-blank line at column 0 after the ``def`` line, or at
   the end-of-text token;
@@ -196,7 +198,14 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded model)")
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first sampling seed")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="continue every prompt once per seed (seed, seed + 1, ...): the rates are over prompts x seeds, "
+        "each seed's under by_seed, the first seed's texts under scored",
+    )
     p.add_argument("--json", default=None, help="write the results (and every scored text) here")
     args = p.parse_args(argv)
 
@@ -226,7 +235,8 @@ def main(argv=None):
     val = validation_loss(loaded, val_files)
     print(f"validation loss {val:.4f} nats/token ({time.perf_counter() - t0:.1f} s)")
 
-    results = {"model": str(Path(path).name), "prompts": len(headers), "max_new_tokens": args.max_new_tokens,
+    results = {"model": str(Path(path).name), "prompts": len(headers), "seeds": args.seeds,
+               "max_new_tokens": args.max_new_tokens,
                "val_loss": val, "reference": reference_scores(headers, dict(val_files), tok, args.max_new_tokens),
                "runs": []}
     ref = results["reference"]
@@ -235,26 +245,33 @@ def main(argv=None):
     for temperature in TEMPERATURES:
         sampling = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95)
         t0 = time.perf_counter()
-        out = generate(loaded.model, jnp.asarray(ids), args.max_new_tokens, prompt_lengths=jnp.asarray(lengths),
-                       sampling=sampling, key=jax.random.key(args.seed), eos_token_id=0)
-        tokens = np.asarray(out.tokens)
-        n_out = np.asarray(out.lengths)
+        by_seed, kept = [], None
+        for seed in range(args.seed, args.seed + args.seeds):
+            out = generate(loaded.model, jnp.asarray(ids), args.max_new_tokens, prompt_lengths=jnp.asarray(lengths),
+                           sampling=sampling, key=jax.random.key(seed), eos_token_id=0)
+            tokens = np.asarray(out.tokens)
+            n_out = np.asarray(out.lengths)
+            scored = []
+            for row, (name, line, header) in enumerate(headers):
+                row_tokens = tokens[row, : n_out[row]].tolist()
+                eos = bool(row_tokens) and row_tokens[-1] == 0
+                text = tok.decode([t for t in row_tokens if t != 0])
+                scored.append({"file": name, "line": line, **score(header, text, eos)})
+            by_seed.append({"seed": seed, **rates(scored), "_scored": scored})
+            kept = kept or scored  # the first seed's texts go into the JSON
         seconds = time.perf_counter() - t0
-        scored = []
-        for row, (name, line, header) in enumerate(headers):
-            row_tokens = tokens[row, : n_out[row]].tolist()
-            eos = bool(row_tokens) and row_tokens[-1] == 0
-            text = tok.decode([t for t in row_tokens if t != 0])
-            scored.append({"file": name, "line": line, **score(header, text, eos)})
+        everything = [s for r in by_seed for s in r.pop("_scored")]
         run = {
             "temperature": temperature, "top_k": 40, "top_p": 0.95,
-            **rates(scored),
+            **rates(everything),  # over prompts x seeds
+            "by_seed": by_seed,
             "generate_s": round(seconds, 2),
-            "scored": scored,
+            "scored": kept,
         }
         results["runs"].append(run)
-        print(f"temperature {temperature}: parse {run['parse']:.0%}  finished {run['finished']:.0%}  "
-              f"finished and parse {run['finished_and_parse']:.0%}  ({seconds:.1f} s)")
+        per_seed = [r["parse"] for r in by_seed]
+        print(f"temperature {temperature}: parse {run['parse']:.1%} (one seed: {min(per_seed):.0%}-{max(per_seed):.0%})  finished {run['finished']:.1%}  "
+              f"finished and parse {run['finished_and_parse']:.1%}  ({args.seeds} x {len(headers)}, {seconds:.1f} s)")
     example = next((s for s in results["runs"][1]["scored"] if s["parses"] and s["finished"]), None)
     if example:
         print(f"--- an example (temperature {TEMPERATURES[1]}, {example['file']}:{example['line']}):\n{example['text']}")
