@@ -93,7 +93,14 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="the context the saved config declares (max_position_embeddings, the tokenizer's "
+        "model_max_length); default --context: the positions the model was trained on, since past "
+        "them its output falls apart, and jaxkv's CLI refuses a prompt + --max-new-tokens beyond it",
+    )
     p.add_argument("--context", type=int, default=256, help="training window (tokens)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=1200)
@@ -158,7 +165,10 @@ def parse_args(argv=None):
         "cosine schedule still decays to its end in time (each cut is recorded in the log; "
         "with 0 the step count is never changed)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_positions is None:
+        args.max_positions = args.context
+    return args
 
 
 # --------------------------------------------------------------------------- data
@@ -348,8 +358,9 @@ def load_init(args, tok, eot_id):
     cfg = model.config
     for name, value in (("hidden", cfg.hidden_size), ("layers", cfg.num_hidden_layers),
                         ("heads", cfg.num_attention_heads), ("kv_heads", cfg.num_key_value_heads),
-                        ("intermediate", cfg.intermediate_size), ("max_positions", cfg.max_position_embeddings)):
+                        ("intermediate", cfg.intermediate_size)):
         setattr(args, name, value)
+    cfg.max_position_embeddings = args.max_positions  # this run's declared context, not the source's
     # The log of the run that wrote src: this run's --docs, else the repository's docs/ (a run
     # writing elsewhere, as on the accelerator, still finds the shipped model's log).
     prior = None

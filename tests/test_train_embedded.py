@@ -91,3 +91,9 @@ def test_extra_train_packages_reads_an_installed_package(tmp_path, monkeypatch):
     for bad in ("no_such_package_for_corpus", "single_module_for_corpus"):
         with pytest.raises(SystemExit, match="is not an installed package folder"):
             collect_packages([bad])
+
+
+def test_declared_context_defaults_to_the_trained_window():
+    assert train_embedded.parse_args(["--context", "512"]).max_positions == 512
+    assert train_embedded.parse_args([]).max_positions == 256
+    assert train_embedded.parse_args(["--context", "512", "--max-positions", "1024"]).max_positions == 1024
