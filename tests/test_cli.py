@@ -124,8 +124,10 @@ def test_closed_stdout_pipe_exits_quietly():
 
 @pytest.mark.slow
 def test_prompt_longer_than_context_and_unsupported_model(tmp_path):
-    result = run("generate", "x = 1\n" * 400, "--max-new-tokens", "8")
-    assert result.returncode == 2 and "exceeds the model's context of 1024 tokens" in result.stderr
+    with open(os.path.join(embedded_model_path(), "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]  # the positions it was trained on
+    result = run("generate", "x = 1\n" * context, "--max-new-tokens", "8")
+    assert result.returncode == 2 and f"exceeds the model's context of {context} tokens" in result.stderr
     bad = tmp_path / "gpt2"
     shutil.copytree(embedded_model_path(), bad)
     config = json.loads((bad / "config.json").read_text())
