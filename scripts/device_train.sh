@@ -7,7 +7,7 @@
 #       --extra-train-packages jax numpy networkx matplotlib pip --write-data .devdata
 #
 # (22.9M training tokens, 46 MB with the validation stream: the carry limit is 64 MiB. A batch
-# of 128 x 256 tokens on the H200 sees the stdlib alone, 7.9M tokens, dozens of times in 7 minutes.)
+# of 64 x 512 tokens on the H200 sees the stdlib alone, 7.9M tokens, dozens of times in 7 minutes.)
 #   device run: command "bash scripts/device_train.sh", carry [".devdata"], timeout_s 600
 #
 # It writes $OUT/pycoder (the HF directory, model.safetensors under the 16 MiB a returned file
@@ -18,7 +18,8 @@
 #   MINUTES=7          training wall clock (the cosine decay runs over it)
 #   ARGS="..."         more train_embedded.py options: the architecture (--hidden, --layers, ...),
 #                      --init-from jaxkv/_assets/pycoder to continue the shipped model, --lr
-# The defaults: the shipped architecture from scratch, batch 128 x 256 tokens (8x the CPU run's).
+#   CONTEXT=512, BATCH=64  training window and rows per step
+# The defaults: the shipped architecture from scratch, batch 64 x 512 tokens (8x the CPU runs').
 set -uo pipefail
 out=${OUT:-/tmp/jaxkv-train}
 mkdir -p "$out"
@@ -26,6 +27,6 @@ export PYTHONUNBUFFERED=1
 {
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1
 "${PYTHON:-python3}" scripts/train_embedded.py --data .devdata --device "${DEVICE:-cuda}" --bf16 \
-    --train-minutes "${MINUTES:-7}" --steps 10000000 --batch "${BATCH:-128}" --warmup 300 \
+    --train-minutes "${MINUTES:-7}" --steps 10000000 --batch "${BATCH:-64}" --context "${CONTEXT:-512}" --warmup 300 \
     --eval-every 500 --log-every 100 --out "$out/pycoder" --docs "$out" ${ARGS:-} 2>&1
 } | tee "$out/train.log"
