@@ -245,7 +245,7 @@ def main(argv=None):
     for temperature in TEMPERATURES:
         sampling = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95)
         t0 = time.perf_counter()
-        by_seed, kept = [], None
+        by_seed = []
         for seed in range(args.seed, args.seed + args.seeds):
             out = generate(loaded.model, jnp.asarray(ids), args.max_new_tokens, prompt_lengths=jnp.asarray(lengths),
                            sampling=sampling, key=jax.random.key(seed), eos_token_id=0)
@@ -258,8 +258,8 @@ def main(argv=None):
                 text = tok.decode([t for t in row_tokens if t != 0])
                 scored.append({"file": name, "line": line, **score(header, text, eos)})
             by_seed.append({"seed": seed, **rates(scored), "_scored": scored})
-            kept = kept or scored  # the first seed's texts go into the JSON
         seconds = time.perf_counter() - t0
+        kept = by_seed[0]["_scored"]  # the first seed's texts go into the JSON
         everything = [s for r in by_seed for s in r.pop("_scored")]
         run = {
             "temperature": temperature, "top_k": 40, "top_p": 0.95,
@@ -270,8 +270,9 @@ def main(argv=None):
         }
         results["runs"].append(run)
         per_seed = [r["parse"] for r in by_seed]
-        print(f"temperature {temperature}: parse {run['parse']:.1%} (one seed: {min(per_seed):.0%}-{max(per_seed):.0%})  finished {run['finished']:.1%}  "
-              f"finished and parse {run['finished_and_parse']:.1%}  ({args.seeds} x {len(headers)}, {seconds:.1f} s)")
+        print(f"temperature {temperature}: parse {run['parse']:.1%} (one seed: {min(per_seed):.0%}-{max(per_seed):.0%})  "
+              f"finished {run['finished']:.1%}  finished and parse {run['finished_and_parse']:.1%}  "
+              f"({args.seeds} x {len(headers)}, {seconds:.1f} s)")
     example = next((s for s in results["runs"][1]["scored"] if s["parses"] and s["finished"]), None)
     if example:
         print(f"--- an example (temperature {TEMPERATURES[1]}, {example['file']}:{example['line']}):\n{example['text']}")
