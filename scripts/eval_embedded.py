@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from stdlib_corpus import collect_sources, split_files  # noqa: E402
+from stdlib_corpus import collect_sources, dedent_lines, split_files  # noqa: E402
 
 TEMPERATURES = (0.2, 0.5, 0.8)
 
@@ -101,9 +101,7 @@ def reference_continuation(source: str, line: int, header: str) -> str | None:
     """
     node = next(n for n in ast.walk(ast.parse(source))
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.lineno == line)
-    col = node.col_offset
-    lines = source.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno]
-    text = "".join(ln[col:] if ln[:col].isspace() else ln for ln in lines)
+    text = dedent_lines(source.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno], node.col_offset)
     if not text.startswith(header):
         return None
     rest = text[len(header):]

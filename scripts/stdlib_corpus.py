@@ -30,7 +30,6 @@ EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
 MAX_FILE_BYTES = 400_000
 
 
-
 def _read_source(path: Path) -> str | None:
     """The file's text with LF line ends, or None when the corpus rules leave it out: not a
     regular file, over MAX_FILE_BYTES, not UTF-8, or under 64 non-blank characters."""
@@ -141,3 +140,40 @@ def collect_extra(stdlib: Path, dirs):
             raise SystemExit(f"--extra-train-dirs: {root} is not a directory")
         files += _parsing_sources(root, stdlib)
     return files
+
+
+def function_documents(files):
+    """Every function of ``files`` (methods and nested functions too) as its own document:
+    its source from the ``def`` line (decorators left out) to its last line, dedented by the
+    ``def``'s column, ending in a newline.
+
+    A method in a file sits indented inside its class, and a file goes on after it, so a
+    model trained on whole files only seldom sees a function start at column 0 and end with
+    the text. These documents are that shape: a ``def`` at column 0, its body, then the end of
+    the text. A line indented less than its ``def`` (inside a multi-line string) is kept as is.
+    Functions whose body starts on the ``def`` line are skipped, as are files that do not parse.
+    """
+    import ast
+
+    docs = []
+    for _, source in files:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.body[0].lineno == node.lineno:
+                continue
+            text = dedent_lines(lines[node.lineno - 1 : node.end_lineno], node.col_offset)
+            docs.append(text if text.endswith("\n") else text + "\n")
+    return docs
+
+
+def dedent_lines(lines, col: int) -> str:
+    """``lines`` (with their line ends) less ``col`` leading columns: a blank line becomes
+    ``"\\n"``, a line indented less than ``col`` (inside a multi-line string) stays as is."""
+    return "".join("\n" if not ln.strip() else ln[col:] if ln[:col].isspace() or not col else ln
+                   for ln in lines)

@@ -79,6 +79,7 @@ from stdlib_corpus import (  # noqa: E402
     collect_packages,
     collect_sources,
     drop_overlapping,
+    function_documents,
     split_files,
 )
 
@@ -139,6 +140,13 @@ def parse_args(argv=None):
         default=[],
         help="installed packages (import names, e.g. numpy jax) whose sources are added to the training "
         "split only, like --extra-train-dirs; the corpus record keeps their versions",
+    )
+    p.add_argument(
+        "--function-docs",
+        action="store_true",
+        help="also train on every function of the stdlib training files as its own document, "
+        "dedented to column 0 and followed by the end-of-text token (stdlib_corpus.function_documents): "
+        "the shape of a held-out header's continuation, which whole files seldom show",
     )
     p.add_argument(
         "--init-from",
@@ -263,6 +271,8 @@ def prepare_corpus(args):
     corpus_sha = hashlib.sha256("".join(p + "\0" + t for p, t in files).encode()).hexdigest()
     n_bytes = {k: sum(len(t.encode()) for _, t in v) for k, v in (("train", train_files), ("val", val_files))}
     n_bytes["extra"] = sum(len(t.encode()) for _, t in extra_files)
+    function_docs = function_documents(train_files) if args.function_docs else []
+    n_bytes["function_docs"] = sum(len(t.encode()) for t in function_docs)
     print(f"stdlib {stdlib}: {len(train_files)} train files ({n_bytes['train']/1e6:.2f} MB), "
           f"{len(val_files)} val files ({n_bytes['val']/1e6:.2f} MB), {len(extra_files)} extra training "
           f"files from {args.extra_train_dirs + args.extra_train_packages} ({n_bytes['extra']/1e6:.2f} MB; "
@@ -273,11 +283,12 @@ def prepare_corpus(args):
     eot_id = tok.token_to_id(EOT)
     bad = check_roundtrip(tok, [t for _, t in val_files])
     assert bad == 0, f"{bad} validation files do not round-trip through the tokenizer"
-    train_ids = encode_stream(tok, [t for _, t in train_files + extra_files], eot_id)
+    train_ids = encode_stream(tok, [t for _, t in train_files + extra_files] + function_docs, eot_id)
     val_ids = encode_stream(tok, [t for _, t in val_files], eot_id)
     tok_time = time.time() - t0
     print(f"tokenizer: vocab {tok.get_vocab_size()}, {len(train_ids)} train tokens "
-          f"({(n_bytes['train'] + n_bytes['extra'])/len(train_ids):.2f} bytes/token), {len(val_ids)} val tokens, "
+          f"({(sum(n_bytes.values()) - n_bytes['val']) / len(train_ids):.2f} bytes/token; {len(function_docs)} function "
+          f"documents added), {len(val_ids)} val tokens, "
           f"{tok_time:.1f}s", flush=True)
     corpus = {
         "stdlib": str(stdlib),
@@ -291,6 +302,8 @@ def prepare_corpus(args):
         "extra_dropped_as_overlapping_val": dropped,
         "extra_train_files": len(extra_files),
         "extra_train_bytes": n_bytes["extra"],
+        "function_docs": len(function_docs),
+        "function_docs_bytes": n_bytes["function_docs"],
         "val_bytes": n_bytes["val"],
         "train_tokens": int(len(train_ids)),
         "val_tokens": int(len(val_ids)),

@@ -97,3 +97,39 @@ def test_declared_context_defaults_to_the_trained_window():
     assert train_embedded.parse_args(["--context", "512"]).max_positions == 512
     assert train_embedded.parse_args([]).max_positions == 256
     assert train_embedded.parse_args(["--context", "512", "--max-positions", "1024"]).max_positions == 1024
+
+
+def test_function_documents_are_each_function_dedented_to_column_0():
+    from stdlib_corpus import function_documents
+
+    source = (
+        "import os\n"
+        "\n"
+        "class Walker:\n"
+        "    @property\n"
+        "    def root(self):\n"
+        '        """The root.\n'
+        "\n"
+        'Kept as written."""\n'
+        "        \n"
+        "        def inner(x):\n"
+        "            return x\n"
+        "        return os.sep\n"
+        "\n"
+        "    def one_line(self): return 1\n"
+        "\n"
+        "async def fetch(url,\n"
+        "                timeout=1):\n"
+        "    await url\n"
+        "x = 1"
+    )
+    root = ('def root(self):\n    """The root.\n\nKept as written."""\n\n'
+            "    def inner(x):\n        return x\n    return os.sep\n")
+    docs = function_documents([("walker.py", source), ("broken.py", "def f(:\n    pass\n")])
+    assert sorted(docs) == sorted([
+        root,  # decorator left out; the blank line inside the body is kept, less its spaces
+        "def inner(x):\n    return x\n",  # nested: a document of its own too
+        "async def fetch(url,\n                timeout=1):\n    await url\n",
+    ])  # one_line (body on the def line) and the file that does not parse are left out
+    for doc in docs:
+        compile(doc, "<doc>", "exec")
