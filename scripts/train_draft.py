@@ -17,7 +17,7 @@ The training log (loss history, timings, samples) lands next to the weights as
 
 Command used for the shipped draft (from the repository root):
 
-    nice -n 5 python scripts/train_draft.py --steps 100000 --bf16 --extra-train-dirs test --train-minutes 8
+    nice -n 5 python scripts/train_draft.py --steps 100000 --bf16 --extra-train-dirs test --function-docs --train-minutes 8
 
 (the options are train_embedded.py's, as for the shipped target).
 
