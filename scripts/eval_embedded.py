@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from stdlib_corpus import collect_sources, dedent_lines, split_files  # noqa: E402
+from stdlib_corpus import collect_sources, dedent_lines, multiline_functions, split_files  # noqa: E402
 
 TEMPERATURES = (0.2, 0.5, 0.8)
 
@@ -73,11 +73,7 @@ def function_headers(files) -> list[tuple[str, int, str]]:
     out = []
     for name, source in files:
         lines = source.splitlines(keepends=True)
-        for node in ast.walk(ast.parse(source)):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if node.body[0].lineno == node.lineno:
-                continue
+        for node in multiline_functions(ast.parse(source)):
             rest = textwrap.dedent("".join(lines[node.lineno - 1 : node.body[0].lineno]))
             try:
                 header = _signature(rest)

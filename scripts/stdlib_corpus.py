@@ -9,6 +9,7 @@ Training-only extras (stdlib subfolders such as ``test``, installed packages) pa
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 # Path components that exclude a file: test suites, the IDE, GUI demos,
@@ -153,8 +154,6 @@ def function_documents(files):
     the text. A line indented less than its ``def`` (inside a multi-line string) is kept as is.
     Functions whose body starts on the ``def`` line are skipped, as are files that do not parse.
     """
-    import ast
-
     docs = []
     for _, source in files:
         try:
@@ -162,18 +161,21 @@ def function_documents(files):
         except (SyntaxError, ValueError):
             continue
         lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if node.body[0].lineno == node.lineno:
-                continue
+        for node in multiline_functions(tree):
             text = dedent_lines(lines[node.lineno - 1 : node.end_lineno], node.col_offset)
             docs.append(text if text.endswith("\n") else text + "\n")
     return docs
 
 
+def multiline_functions(tree):
+    """The function definitions (``def`` and ``async def``, at any depth) in ``tree`` whose
+    body starts on a later line than the ``def``: those a header can be cut from."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body[0].lineno > node.lineno:
+            yield node
+
+
 def dedent_lines(lines, col: int) -> str:
     """``lines`` (with their line ends) less ``col`` leading columns: a blank line becomes
     ``"\\n"``, a line indented less than ``col`` (inside a multi-line string) stays as is."""
-    return "".join("\n" if not ln.strip() else ln[col:] if ln[:col].isspace() or not col else ln
-                   for ln in lines)
+    return "".join("\n" if not ln.strip() else ln[col:] if ln[:col].isspace() else ln for ln in lines)
