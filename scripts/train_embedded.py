@@ -157,6 +157,14 @@ def parse_args(argv=None):
         "tokenizer this run trains must equal the directory's tokenizer.json byte for byte",
     )
     p.add_argument(
+        "--grow-layers",
+        type=int,
+        default=None,
+        help="with --init-from: deepen the model to this many layers before training, computing the same "
+        "function at step 0 (grow_depth: each new layer is a copy of the one before it with its attention "
+        "output and MLP down projections zeroed, so it adds nothing to the residual stream until trained)",
+    )
+    p.add_argument(
         "--write-data",
         default=None,
         help="write the tokenizer and token streams to this directory and stop (for --data on another machine)",
@@ -389,6 +397,42 @@ def load_init(args, tok, eot_id):
     return model, prior
 
 
+def grow_depth(model, n_layers: int) -> list[int]:
+    """Deepens a ``LlamaForCausalLM`` in place to ``n_layers`` layers, leaving its function unchanged.
+
+    The new layers are spread evenly: each follows a source layer and starts as a copy of it
+    (attention, MLP, norms) whose ``o_proj`` and ``down_proj`` are zero, so its residual
+    update is exactly 0 and the logits do not move until training gives those projections
+    weight; the copied projections give the new layer working features from the first step.
+    Returns, for each layer of the grown model, the source layer it was copied from.
+    """
+    import copy
+
+    layers = model.model.layers
+    n_src = len(layers)
+    if n_layers < n_src:
+        raise SystemExit(f"--grow-layers {n_layers}: the model already has {n_src} layers; "
+                         "grow_depth only adds layers (give a count above it)")
+    extra = n_layers - n_src
+    grown, origin = [], []
+    for i, layer in enumerate(layers):
+        grown.append(layer)
+        origin.append(i)
+        # copies after source layer i: spread the extra layers evenly over the source ones
+        for _ in range((i + 1) * extra // n_src - i * extra // n_src):
+            new = copy.deepcopy(layer)
+            with torch.no_grad():
+                new.self_attn.o_proj.weight.zero_()
+                new.mlp.down_proj.weight.zero_()
+            grown.append(new)
+            origin.append(i)
+    model.model.layers = torch.nn.ModuleList(grown)
+    for idx, layer in enumerate(grown):
+        layer.self_attn.layer_idx = idx  # the KV cache is indexed by it
+    model.config.num_hidden_layers = n_layers
+    return origin
+
+
 def lr_at(step, args, progress=None):
     """Linear warmup over ``args.warmup`` steps, then cosine decay to ``min_lr_ratio``.
 
@@ -552,8 +596,17 @@ def main(argv=None):
     val_windows = torch.from_numpy(np.stack([val_ids[s : s + T] for s in val_starts]).astype(np.int64)).to(device)
 
     prior_log = None
+    grown_from = None
+    if args.grow_layers is not None and not args.init_from:
+        raise SystemExit("--grow-layers deepens a trained model: give --init-from too "
+                         "(to train a deeper model from scratch, use --layers)")
     if args.init_from:
         model, prior_log = load_init(args, tok, eot_id)
+        if args.grow_layers is not None and args.grow_layers != args.layers:
+            grown_from = {"layers": args.layers, "copied_from": grow_depth(model, args.grow_layers)}
+            print(f"grew {args.layers} -> {args.grow_layers} layers (each copied from layer "
+                  f"{grown_from['copied_from']}, new ones with zeroed output projections)", flush=True)
+            args.layers = args.grow_layers
     else:
         model = make_model(args, tok.get_vocab_size(), eot_id)
     model.to(device)
@@ -672,6 +725,7 @@ def main(argv=None):
             "parameters": n_params,
             "config": json.loads((out / "config.json").read_text()),
             "weights_file_bytes": weight_bytes,
+            **({"grown_from": grown_from} if grown_from else {}),
         },
         "training": {
             "steps_planned": planned_steps,

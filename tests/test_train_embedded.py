@@ -133,3 +133,43 @@ def test_function_documents_are_each_function_dedented_to_column_0():
     ])  # one_line (body on the def line) and the file that does not parse are left out
     for doc in docs:
         compile(doc, "<doc>", "exec")
+
+
+def test_grow_depth_keeps_the_function_and_trains_the_new_layers():
+    """--grow-layers: the deeper model's logits equal the source model's (the new layers add
+    exactly 0 to the residual stream), its KV-cached greedy decode equals an uncached one (each
+    layer has its own cache index), and the new layers' zeroed projections get gradient."""
+    import torch
+
+    torch.manual_seed(0)
+    args = Namespace(hidden=32, intermediate=64, layers=3, heads=4, kv_heads=2, max_positions=64)
+    model = train_embedded.make_model(args, 300, 0).eval()
+    with torch.no_grad():  # norms away from 1, so a copied layer is not a trivial one
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    ids = torch.randint(1, 300, (2, 12))
+    before = model(input_ids=ids).logits.detach()
+
+    origin = train_embedded.grow_depth(model, 7)
+    assert origin == [0, 0, 1, 1, 2, 2, 2]  # 4 new layers spread over 3: one after 0 and 1, two after 2
+    assert len(model.model.layers) == 7 == model.config.num_hidden_layers
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(7))
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+    with torch.no_grad():  # give the new layers weight, so that they change the output
+        for i in (1, 3, 5, 6):
+            model.model.layers[i].self_attn.o_proj.weight.normal_(0, 0.2)
+            model.model.layers[i].mlp.down_proj.weight.normal_(0, 0.2)
+    assert not torch.allclose(model(input_ids=ids).logits, before)
+    cached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
+    torch.testing.assert_close(cached, uncached, rtol=0, atol=0)
+
+    fresh = train_embedded.make_model(args, 300, 0)
+    train_embedded.grow_depth(fresh, 4)
+    train_embedded.lm_loss(fresh, ids).backward()
+    new = fresh.model.layers[3]
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(SystemExit, match="only adds layers"):
+        train_embedded.grow_depth(fresh, 2)
