@@ -1,6 +1,6 @@
 """Speculative decoding with the embedded pycoder model and its draft: acceptance and speedup.
 
-Target: ``jaxkv/_assets/pycoder`` (4 layers, width 192). Draft: ``jaxkv/_assets/pycoder-draft``
+Target: ``jaxkv/_assets/pycoder`` (6 layers, width 192). Draft: ``jaxkv/_assets/pycoder-draft``
 (2 layers, width 96, same tokenizer; ``scripts/train_draft.py``). Both greedy, so the
 speculative tokens must equal the target's own greedy tokens (checked on every prompt).
 
