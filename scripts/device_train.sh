@@ -19,7 +19,9 @@
 #   ARGS="..."         more train_embedded.py options: the architecture (--hidden, --layers, ...),
 #                      --init-from jaxkv/_assets/pycoder to continue the shipped model, --lr
 #   CONTEXT=512, BATCH=64  training window and rows per step
-# The defaults: the shipped architecture from scratch, batch 64 x 512 tokens (8x the CPU runs').
+# The defaults: train_embedded.py's architecture (4 layers, hidden 192) from scratch, batch 64 x 512
+# tokens (8x the CPU runs'). The shipped model is that grown to 6 layers (run 7): ARGS="--layers 6" for
+# its shape from scratch, or ARGS="--init-from jaxkv/_assets/pycoder" to continue it.
 set -uo pipefail
 out=${OUT:-/tmp/jaxkv-train}
 mkdir -p "$out"
