@@ -21,8 +21,8 @@ Steps (all deterministic given the Python installation, fixed seeds and 2 thread
    model.safetensors in float32, tokenizer.json, tokenizer_config.json), write
    ``docs/training_log.json`` and ``docs/training_loss.png``, and print samples.
 
-Commands used for the shipped model: five runs, each continuing from the one before
-(``--init-from``); all five are in README ("The embedded model") and in
+Commands used for the shipped model: six runs, each continuing from the one before
+(``--init-from``); all six are in README ("The embedded model") and in
 ``docs/training_log.json`` (``command``, and ``previous_runs``). The first:
 
     nice -n 10 python scripts/train_embedded.py --out jaxkv/_assets/pycoder --bf16 \
@@ -32,6 +32,7 @@ Commands used for the shipped model: five runs, each continuing from the one bef
 Runs 3 to 5 train on 512-token windows (``--context 512 --batch 8``); run 3 also on the
 sources of installed packages (``--extra-train-packages jax numpy networkx matplotlib pip``).
 Run 5 adds every function of the stdlib training files as its own document (``--function-docs``).
+Run 7 (run 6 was not shipped) deepens run 5's 4 layers to 6 first (``--grow-layers 6``).
 
 On an accelerator whose Python differs from this one (another stdlib), train on data made
 here: ``--write-data DIR`` here, ``--data DIR --device cuda`` there (``scripts/device_train.sh``).
