@@ -104,6 +104,13 @@ def reference_continuation(source: str, line: int, header: str) -> str | None:
     return rest + ("" if rest.endswith("\n") else "\n") + END_SENTINEL
 
 
+def held_out_headers(n: int):
+    """``(val_files, headers)``: the validation files of ``train_embedded.py``'s split of this
+    Python's stdlib and ``n`` of their function headers, evenly spaced (``function_headers``)."""
+    _, val_files = split_files(collect_sources(Path(sysconfig.get_paths()["stdlib"])))
+    return val_files, pick_evenly(function_headers(val_files), n)
+
+
 def pick_evenly(items, n):
     if len(items) <= n:
         return list(items)
@@ -214,8 +221,7 @@ def main(argv=None):
     path = args.model or embedded_model_path()
     loaded = from_pretrained(path)
     tok = loaded.tokenizer
-    _, val_files = split_files(collect_sources(Path(sysconfig.get_paths()["stdlib"])))
-    headers = pick_evenly(function_headers(val_files), args.prompts)
+    val_files, headers = held_out_headers(args.prompts)
     encoded = [tok.encode(header).ids for _, _, header in headers]
     width = max(map(len, encoded))
     ids = np.zeros((len(encoded), width), np.int32)

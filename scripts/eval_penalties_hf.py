@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from eval_embedded import TEMPERATURES, function_headers, pick_evenly, rates, score  # noqa: E402
-from stdlib_corpus import collect_sources, split_files  # noqa: E402
+from eval_embedded import TEMPERATURES, held_out_headers, rates, score  # noqa: E402
 
 OPTIONS = [{}] + [{"repetition_penalty": p} for p in (1.05, 1.1, 1.2)] + [
     {"no_repeat_ngram_size": n} for n in (8, 12, 16, 24)]
@@ -47,8 +45,7 @@ def main(argv=None):
     path = Path(args.model or embedded_model_path())
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    _, val_files = split_files(collect_sources(Path(sysconfig.get_paths()["stdlib"])))
-    headers = pick_evenly(function_headers(val_files), 100)
+    _, headers = held_out_headers(100)
     encoded = [tok.encode(header).ids for _, _, header in headers]
     width = max(map(len, encoded))
     ids = torch.zeros((len(encoded), width), dtype=torch.long)  # left-padded
