@@ -340,7 +340,7 @@ def test_cli_prompt_cache_gives_the_same_text_as_a_fresh_prompt(tmp_path, capsys
 SHARDED = textwrap.dedent(
     """
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
