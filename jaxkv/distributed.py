@@ -34,7 +34,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -280,6 +280,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment: the caller's, on the CPU, without a forced host device count
+    in ``XLA_FLAGS`` (``--local-devices`` sets the count); the other XLA flags stay."""
+    env = dict(environ, JAX_PLATFORMS="cpu")
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 def launch(num_processes: int, local_devices: int, model_parallel: int, max_new_tokens: int, *,
            timeout: float = 300.0) -> dict:
     """Starts ``num_processes`` worker processes on this machine and returns process 0's result.
@@ -288,8 +298,7 @@ def launch(num_processes: int, local_devices: int, model_parallel: int, max_new_
         RuntimeError: a worker failed or timed out (its output is in the message).
     """
     coordinator = f"localhost:{_free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the device count comes from --local-devices
+    env = _worker_env(os.environ)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "jaxkv.distributed", "--worker", "--process-id", str(i),

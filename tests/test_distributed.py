@@ -63,3 +63,10 @@ def test_two_processes_of_four_devices_give_the_tokens_of_one_device():
     # [L, B, H, S, D]: each device holds 1 of 4 rows and 1 of 2 kv heads.
     assert got["cache_spec"] == [None, "data", "model", None, None]
     assert got["cache_shard"] == [2, 1, 1, 16, 16]
+
+
+def test_workers_keep_the_callers_xla_flags_but_not_a_forced_device_count():
+    env = distributed._worker_env({"XLA_FLAGS": "--xla_a=1 --xla_force_host_platform_device_count=8 --xla_b", "X": "y"})
+    assert env["XLA_FLAGS"] == "--xla_a=1 --xla_b" and env["X"] == "y" and env["JAX_PLATFORMS"] == "cpu"
+    env = distributed._worker_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert "XLA_FLAGS" not in env
