@@ -9,13 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # on compiled programs (no cache-sized copies, XLA's memory plan) pass either way.
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimized.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# Two more compile-time switches, same reasoning (what the tests check does not depend on
-# them): XLA:CPU's older fusion emitters compile faster than its MLIR ones (test_decoding_kinds
-# + test_paged, one process, side by side: XLA compile 105 s -> 74 s, the two files 140 s ->
-# 101 s), and HLO op locations without Python tracebacks (test_decoding_kinds: compile -5%).
-# Python tracebacks are unchanged. The whole suite, back to back: 10:03 with JAX's defaults,
-# 6:32 with these; 5:50 and 9:25 in the other order (README "Tests"). For the defaults: XLA_FLAGS=--xla_cpu_use_fusion_emitters=true
-# JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=1 JAX_TRACEBACK_IN_LOCATIONS_LIMIT=100.
+# Two more compile-time switches, same reasoning: XLA:CPU's older fusion emitters, which
+# compile faster than its MLIR ones, and HLO op locations without Python tracebacks (Python's
+# own tracebacks are unchanged). The whole suite, back to back: 10:03 with JAX's defaults and
+# 6:32 with these; 5:50 and 9:25 in the other order (README "Tests"). JAX's defaults:
+# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=1
+# JAX_TRACEBACK_IN_LOCATIONS_LIMIT=100.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
