@@ -111,6 +111,21 @@ def held_out_headers(n: int):
     return val_files, pick_evenly(function_headers(val_files), n)
 
 
+#: Installed pure-Python packages no training run read (pip's vendored packages, which run 3
+#: trained on, are not among them): the source of ``tuning_headers``.
+TUNING_PACKAGES = ("click", "attr", "jinja2", "h11", "dateutil", "filelock", "humanize", "absl")
+
+
+def tuning_headers(n: int):
+    """``(files, headers)``: ``n`` function headers, evenly spaced, from ``TUNING_PACKAGES``:
+    code the model never trained on that is not the stdlib validation split, for choosing
+    decoding settings without looking at the 100 headers the goal is scored on."""
+    from stdlib_corpus import collect_packages
+
+    files, _ = collect_packages(TUNING_PACKAGES)
+    return files, pick_evenly(function_headers(files), n)
+
+
 def pick_evenly(items, n):
     if len(items) <= n:
         return list(items)

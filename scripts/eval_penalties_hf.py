@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from eval_embedded import TEMPERATURES, held_out_headers, rates, score  # noqa: E402
+import json  # noqa: E402
+
+from eval_embedded import TEMPERATURES, held_out_headers, rates, score, tuning_headers  # noqa: E402
 
 OPTIONS = [{}] + [{"repetition_penalty": p} for p in (1.05, 1.1, 1.2)] + [
     {"no_repeat_ngram_size": n} for n in (8, 12, 16, 24)]
@@ -33,6 +35,12 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded model)")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--prompt-set", choices=("eval", "tune"), default="eval",
+                   help="eval: the 100 headers eval_embedded.py scores; tune: 200 headers of packages no "
+                        "training run read (eval_embedded.tuning_headers), to choose settings on")
+    p.add_argument("--options", default=None,
+                   help='a JSON list of generate() keyword sets to try instead of the default list, '
+                        'e.g. \'[{}, {"min_p": 0.1}]\'')
     args = p.parse_args(argv)
 
     import torch
@@ -45,7 +53,8 @@ def main(argv=None):
     path = Path(args.model or embedded_model_path())
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    _, headers = held_out_headers(100)
+    _, headers = tuning_headers(200) if args.prompt_set == "tune" else held_out_headers(100)
+    options = json.loads(args.options) if args.options else OPTIONS
     encoded = [tok.encode(header).ids for _, _, header in headers]
     width = max(map(len, encoded))
     ids = torch.zeros((len(encoded), width), dtype=torch.long)  # left-padded
@@ -53,9 +62,9 @@ def main(argv=None):
     for row, e in enumerate(encoded):
         ids[row, width - len(e):] = torch.tensor(e)
         mask[row, width - len(e):] = 1
-    print(f"{path.name}: {len(headers)} held-out headers, {args.seeds} seeds, {args.max_new_tokens} new tokens; "
+    print(f"{path.name}: {len(headers)} held-out headers ({args.prompt_set} set), {args.seeds} seeds, {args.max_new_tokens} new tokens; "
           "parse (finished) at T " + " / ".join(map(str, TEMPERATURES)))
-    for option in OPTIONS:
+    for option in options:
         cells = []
         for temperature in TEMPERATURES:
             scored = []

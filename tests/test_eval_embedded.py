@@ -73,3 +73,25 @@ def test_reference_continuation_is_the_held_out_code_and_scores_finished():
         assert whole["text"] + eval_embedded.END_SENTINEL == header + rest
         cut = eval_embedded.score(header, rest[: rest.rindex("return")], ended_by_eos=False)
         assert not cut["finished"]
+
+
+def test_tuning_packages_were_never_trained_on():
+    """The decoding-settings prompts come from packages no training run read (their own
+    command lines, in docs/training_log.json), nor vendored inside one that was (pip)."""
+    import json
+    import importlib.util
+
+    log = json.loads((Path(__file__).resolve().parent.parent / "docs" / "training_log.json").read_text())
+    trained = set()
+    for run in [log, *log["previous_runs"]]:
+        words = run["command"].split()
+        if "--extra-train-packages" in words:
+            for word in words[words.index("--extra-train-packages") + 1:]:
+                if word.startswith("--"):
+                    break
+                trained.add(word)
+    assert {"jax", "numpy", "pip"} <= trained  # the parse found the runs' packages
+    assert trained.isdisjoint(eval_embedded.TUNING_PACKAGES)
+    vendored = Path(importlib.util.find_spec("pip").submodule_search_locations[0]) / "_vendor"
+    assert vendored.is_dir()
+    assert not any((vendored / name).exists() for name in eval_embedded.TUNING_PACKAGES)

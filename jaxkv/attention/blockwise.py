@@ -363,6 +363,11 @@ def _xla_loop(
     )
 
 
+#: Up to this many queries (a decode step, a verify chunk), the last partial block is read
+#: at the smallest of 4 sizes that holds it; longer chunks read whole blocks.
+PARTIAL_BLOCK_MAX_QUERIES = 16
+
+
 def _blockwise_loop(
     queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size
 ):
@@ -450,20 +455,28 @@ def _blockwise_loop(
     if num_slots <= block:  # one block holds the whole buffer: no loops, one masked pass
         carry = masked_body(0, carry)
     else:
-        carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
+        if sliding_window is not None:  # without a window, fast_lo == start == 0: no blocks before
+            carry = jax.lax.fori_loop(start, fast_lo, masked_body, carry)
         carry = jax.lax.fori_loop(fast_lo, fast_hi, full_body, carry)
         # Past the unmasked range: whole blocks that end at or before the last filled slot
-        # (ragged rows), then the last partial block, if any, read as the smallest of block,
-        # block/2, block/4, block/8 slots that holds its tokens: a decode step just past a block
-        # boundary reads a few slots, not a whole, mostly empty block.
+        # (ragged rows), then the last partial block, if any. For a decode step or a short
+        # verify chunk that block is read as the smallest of block, block/2, block/4, block/8
+        # slots that holds its tokens: a step just past a block boundary reads a few slots,
+        # not a whole, mostly empty block. A prefill chunk's queries outweigh a partial
+        # block's read, so it reads whole blocks; each extra size is one more loop body to
+        # compile per layer (seven bodies took ~0.5 s of XLA:CPU compile per layer of a
+        # 32-token prefill; benchmarks/bench_compile.py).
         mid = jnp.clip(end // block, fast_hi, stop)
-        carry = jax.lax.fori_loop(fast_hi, mid, masked_body, carry)
         remaining = end - mid * block  # in [0, block)
         sizes = [block // d for d in (1, 2, 4, 8) if block % d == 0 and block // d >= 16] or [block]
+        if num_tokens > PARTIAL_BLOCK_MAX_QUERIES:
+            sizes = [block]
         # One fori_loop of 0 or 1 trips per size, not lax.switch: a conditional's operands
-        # (the whole stacked buffers) would be copied into it on every call.
+        # (the whole stacked buffers) would be copied into it on every call. The full-size
+        # one is the whole-block loop's last trip.
         pick = jnp.where(remaining > 0, sum((size >= remaining).astype(jnp.int32) for size in sizes), 0)
-        for i, size in enumerate(sizes, start=1):
+        carry = jax.lax.fori_loop(fast_hi, mid + (pick == 1).astype(jnp.int32), masked_body, carry)
+        for i, size in enumerate(sizes[1:], start=2):
             first = mid * (block // size)
             trips = (pick == i).astype(jnp.int32)
             carry = jax.lax.fori_loop(first, first + trips, partial(masked_body, size=size), carry)

@@ -170,6 +170,29 @@ class PagedStorage:
 
     def write(self, read_layer, write_layer, layer_ok, keys, values, old, count, *, all_lengths):
         del read_layer, layer_ok  # a bad layer has count 0 and writes at `write_layer` == L: dropped
+        args = (write_layer, keys, values, old, count, all_lengths)
+        if _is_traced(self.block_table, self.refcount, self.keys, *args):
+            new, count, _ = self._write(*args)
+            return new, None, count
+        # Eagerly: one compiled program for the whole write (op by op, the first write of a
+        # shape compiled ~150 small programs: 4.3 s against 0.2 s for a static cache), then
+        # the out-of-pages check on what it returns; raising discards the new storage.
+        new, count, (per_row, fits, num_free) = _write_program(self, jnp.asarray(write_layer, jnp.int32), *args[1:])
+        host_fits = np.asarray(fits)
+        if not host_fits.all():
+            host_need = np.asarray(per_row)
+            row = int(np.argmax(~host_fits))
+            raise ValueError(
+                f"PagedCache.update: out of pages: row {row} needs {int(host_need[row])} new page(s) of "
+                f"{self.page_size} tokens, but the pool has {int(num_free)} free of {self.num_pages} (rows before "
+                f"it take {int(np.sum(host_need[:row][host_fits[:row]]))}). Free pages (reset or "
+                "batch_select_indices finished rows, crop, release prefix pins) or allocate a larger num_pages."
+            )
+        return new, None, count
+
+    def _write(self, write_layer, keys, values, old, count, all_lengths):
+        """The write as a pure function: ``(storage, count stored [B], (pages each row needs
+        [B], rows that fit [B], free pages))``. Rows that do not fit store nothing."""
         ps, max_pages, num_pages = self.page_size, self.max_pages, self.num_pages
         batch, _, new_tokens, _ = keys.shape
         table, refcount = self.block_table, self.refcount
@@ -215,15 +238,6 @@ class PagedStorage:
         num_free = jnp.sum(free, dtype=jnp.int32)
         per_row = jnp.sum(need, axis=1, dtype=jnp.int32)
         fits = _admit(per_row, num_free)
-        if not _is_traced(per_row, fits) and not bool(np.all(np.asarray(fits))):
-            host_need, host_fits = np.asarray(per_row), np.asarray(fits)
-            row = int(np.argmax(~host_fits))
-            raise ValueError(
-                f"PagedCache.update: out of pages: row {row} needs {int(host_need[row])} new page(s) of {ps} "
-                f"tokens, but the pool has {int(num_free)} free of {num_pages} (rows before it "
-                f"take {int(np.sum(host_need[:row][host_fits[:row]]))}). Free pages (reset or batch_select_indices finished rows, "
-                "crop, release prefix pins) or allocate a larger num_pages."
-            )
         need = need & fits[:, None]
         shared = shared & fits[:, None]
         flat = need.reshape(-1)
@@ -271,7 +285,7 @@ class PagedStorage:
                     jnp.moveaxis(scales, 2, 1), mode="drop"
                 )
         new = dataclasses.replace(self, **pools, block_table=table, refcount=refcount)
-        return new, None, count
+        return new, count, (per_row, fits, num_free)
 
     def view(self, layer: Any, lengths: Array) -> PagedView:
         return PagedView(
@@ -351,6 +365,11 @@ class PagedStorage:
     def pinned(self, pages: Array, delta: int) -> PagedStorage:
         ids = jnp.where(pages >= 0, pages, self.num_pages)
         return dataclasses.replace(self, refcount=self.refcount.at[ids].add(delta, mode="drop"))
+
+
+@jax.jit
+def _write_program(store, write_layer, keys, values, old, count, all_lengths):
+    return store._write(write_layer, keys, values, old, count, all_lengths)
 
 
 register_dataclass(
