@@ -267,6 +267,8 @@ class OffloadedCache(KVCache):
       ('pinned_host', 'device')
     """
 
+    EAGER_PROGRAMS = False  # host-memory storages: their ops stay op by op
+
     @classmethod
     def init(
         cls,

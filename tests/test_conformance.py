@@ -364,6 +364,33 @@ def test_eager_equals_jit(kind):
 
 
 @protocol_kinds
+def test_an_eager_update_compiles_at_most_one_program(kind):
+    # Op by op, a first eager update of a new shape compiled ~40 small programs (~150 for
+    # a paged pool); as one jitted program it compiles one, and none for another layer.
+    # Several storages (hybrid) stay op by op (one program would copy the untouched
+    # storage), and so does the encoder-decoder cache's own update.
+    compiles = []
+
+    def listen(event, _, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name"))
+
+    cache = KINDS[kind]()
+    k = jnp.asarray(rand(np.random.default_rng(5), 2, batch=B))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first, _, _ = cache.update(k, k, 0, num_new=np.array([2, 1, 0]))
+        second, keys, _ = first.update(k, k, 1)
+        jax.block_until_ready(keys)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    if kind not in ("hybrid", "encdec"):
+        assert compiles in ([], ["jit(_update_arrays)"])  # [] when an earlier test compiled it
+    assert np.asarray(first.seq_lengths(0)).tolist() == [2, 1, 0]
+    assert np.asarray(second.seq_lengths(1)).tolist() == [2, 2, 2]
+
+
+@protocol_kinds
 def test_vmap_matches_a_loop(kind):
     caches = [filled(kind, seed) for seed in (0, 1)]
     ks = jnp.asarray(np.stack([rand(np.random.default_rng(s), 1) for s in (2, 3)]))

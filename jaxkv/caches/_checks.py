@@ -96,6 +96,7 @@ def _check_row_indices(indices: Any, batch: int, who: str) -> Array:
                 f"{who}: row index {int(host[bad][0])} (position {int(np.argmax(bad))}) is out "
                 f"of range for a cache with batch size {batch}; valid rows are 0..{batch - 1}."
             )
+        return host.astype(np.int32)  # in range, so narrowing cannot wrap
     return indices.astype(jnp.int32)
 
 
@@ -146,28 +147,45 @@ def _write_target(layer: Any, num_layers: int) -> tuple[Any, Any, Any]:
     return ok, jnp.where(ok, layer, 0), jnp.where(ok, layer, num_layers)
 
 
+def _num_new_shape_error(shape: tuple, dtype: Any, batch: int, who: str) -> TypeError:
+    return TypeError(
+        f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
+        f"got shape {shape} and dtype {dtype}."
+    )
+
+
+def _host_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> np.ndarray:
+    """A concrete ``num_new`` (default: all T tokens) checked on the host: int32[B].
+
+    The range is checked before narrowing to int32, so a wide value is refused, never wrapped.
+    """
+    if num_new is None:
+        return np.full((batch,), new_tokens, np.int32)
+    host = np.asarray(num_new)
+    if host.ndim == 0:
+        host = np.broadcast_to(host, (batch,))
+    if host.shape != (batch,) or not np.issubdtype(host.dtype, np.integer):
+        raise _num_new_shape_error(host.shape, host.dtype, batch, who)
+    bad = (host < 0) | (host > new_tokens)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
+            f"(the states carry {new_tokens} new tokens)."
+        )
+    return host.astype(np.int32)
+
+
 def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Array, Array]:
     """``(count int32[B], invalid bool[B])`` for ``num_new`` (default: all T tokens)."""
-    if num_new is None:
-        return jnp.full((batch,), new_tokens, jnp.int32), jnp.zeros((batch,), bool)
+    if not _is_traced(num_new):
+        return jnp.asarray(_host_counts(num_new, batch, new_tokens, who)), jnp.zeros((batch,), bool)
     count = jnp.asarray(num_new)
     if count.ndim == 0:
         count = jnp.broadcast_to(count, (batch,))
     if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
-        raise TypeError(
-            f"{who}: num_new must be an integer array of shape [{batch}] (or a scalar), "
-            f"got shape {count.shape} and dtype {count.dtype}."
-        )
+        raise _num_new_shape_error(count.shape, count.dtype, batch, who)
     count = count.astype(jnp.int32)
-    if not _is_traced(count):
-        host = np.asarray(count)
-        bad = (host < 0) | (host > new_tokens)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise ValueError(
-                f"{who}: num_new[{row}]={int(host[row])} is outside [0, {new_tokens}] "
-                f"(the states carry {new_tokens} new tokens)."
-            )
     invalid = (count < 0) | (count > new_tokens)
     return jnp.where(invalid, 0, count), invalid
 
@@ -185,7 +203,8 @@ def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
         raise TypeError(f"{who}: max_length must be an int or an int array [{batch}], got a bool.")
     if isinstance(max_length, int):  # a Python int of any size: clamp on the host
         max_length = np.int64(max(-_INT32_MAX, min(_INT32_MAX, max_length)))
-    m = max_length if isinstance(max_length, jax.Array) else np.asarray(max_length)
+    # Concrete values are checked and clamped in NumPy (no small programs to compile eagerly).
+    m = max_length if _is_traced(max_length) else np.asarray(max_length)
     if not jnp.issubdtype(m.dtype, jnp.integer) or m.ndim not in (0, 1):
         raise TypeError(
             f"{who}: max_length must be an int or an int array [{batch}], "
@@ -198,6 +217,8 @@ def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
     else:  # a wide traced/device integer: clamp before narrowing (astype would wrap)
         if jnp.iinfo(m.dtype).bits > 32 or jnp.dtype(m.dtype) == jnp.uint32:
             m = jnp.clip(m, -_INT32_MAX if jnp.issubdtype(m.dtype, jnp.signedinteger) else 0, _INT32_MAX)
+    if isinstance(m, np.ndarray):
+        return np.broadcast_to(m.astype(np.int32), (batch,))
     return jnp.broadcast_to(jnp.asarray(m).astype(jnp.int32), (batch,))
 
 

@@ -49,6 +49,13 @@ Overflow and bad-index policy (never silent):
   the row gets ``OVERFLOW``. A traced row index out of range empties that row and sets
   ``INVALID``; a traced layer index out of range writes nothing and sets ``INVALID`` on
   every row. Read them with ``cache.overflowed`` / ``cache.flags``, or ``cache.check()``.
+
+Eagerly, ``update``, ``reorder_cache``, ``batch_select_indices`` and
+``batch_repeat_interleave`` check their arguments on the host (the errors above), then run
+as one jitted program rather than op by op (a first eager update of a new shape compiled
+some 40 small programs, 150 on a page pool). Where one program would copy data the op
+leaves alone (an update of one of several storages, row ops on a page pool, ``crop``,
+``reset``) they stay op by op.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from jaxkv.caches._checks import (
     _check_states,
     _crop_amounts,
     _flag,
+    _host_counts,
     _is_traced,
     _layer_index,
     _new_counts,
@@ -120,6 +128,10 @@ class KVCache:
     flags: Array
     groups: tuple[int, ...]  # static
     sharding: NamedSharding | None = None  # static
+
+    #: Eager ops run as one jitted program each (after their host-side checks), not op by
+    #: op. A kind whose storages live outside device memory turns this off.
+    EAGER_PROGRAMS: ClassVar[bool] = True
 
     _data_fields: ClassVar[tuple[str, ...]] = ("stores", "lengths", "flags")
     _meta_fields: ClassVar[tuple[str, ...]] = ("groups", "sharding")
@@ -256,6 +268,12 @@ class KVCache:
         :func:`jaxkv.attention.attend_view` reads it without materialising the layer.
         Arguments and errors are those of :meth:`update`.
         """
+        new, view, _ = self._write(key_states, value_states, layer_idx, num_new)
+        return new, view
+
+    def _write(self, key_states, value_states, layer_idx, num_new):
+        """:meth:`write`, also returning bool[B]: rows the storage could not take (a paged
+        pool out of pages; they are flagged)."""
         who = f"{self._name}.update"
         key_states, value_states = _check_states(key_states, value_states, who)
         _check_layout(key_states, (self.batch_size, self.num_kv_heads, self.head_dim), who)
@@ -268,17 +286,8 @@ class KVCache:
         old = self.lengths[read_layer]  # [B]
         capacity = store.capacity
         if capacity is not None and not _is_traced(old, count, layer):
-            total = np.asarray(old) + np.asarray(count)
-            over = total > capacity
-            if over.any():
-                row = int(np.argmax(over))
-                raise ValueError(
-                    f"{who}: overflow in layer {int(layer)}, row {row}: it holds "
-                    f"{int(np.asarray(old)[row])} tokens and {int(np.asarray(count)[row])} new "
-                    f"would make {int(total[row])} > max_length={capacity}. Allocate a larger "
-                    "max_length, or crop the row first."
-                )
-        count = jnp.where(layer_ok, count, 0)
+            _check_no_overflow(np.asarray(old), np.asarray(count), capacity, int(layer), who)
+        requested = count = jnp.where(layer_ok, count, 0)
         extra = {"all_lengths": self.lengths} if getattr(store, "WANTS_ALL_LENGTHS", False) else {}
         written = store.write(read_local, write_local, layer_ok, key_states, value_states, old, count, **extra)
         new_store, view = written[:2]
@@ -296,7 +305,7 @@ class KVCache:
         )._constrained()
         if view is None:
             view = new.stores[store_i].view(read_local, new_len)
-        return new, view
+        return new, view, count < requested
 
     def update(
         self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
@@ -323,8 +332,34 @@ class KVCache:
           TypeError: non-floating states, a non-integer ``num_new``, a traced layer index
             with several storages.
         """
+        if type(self).write is KVCache.write and self._eager(
+            key_states, value_states, layer_idx, num_new, moves_all=len(self.stores) == 1
+        ):
+            done = self._eager_update(key_states, value_states, layer_idx, num_new)
+            if done is not None:
+                return done
         cache, view = self.update_view(key_states, value_states, layer_idx, num_new=num_new)
         return cache, view.keys, view.values
+
+    def _eager_update(self, key_states, value_states, layer_idx, num_new):
+        """An eager ``update`` as one compiled program (op by op, a first update of a new
+        shape compiled some 40 small programs), after the checks that need values, done
+        on the host first. None: take the op-by-op path (it raises what this cannot)."""
+        who = f"{self._name}.update"
+        key_states, value_states = _check_states(key_states, value_states, who)
+        _check_layout(key_states, (self.batch_size, self.num_kv_heads, self.head_dim), who)
+        store_i, _, layer = self._locate(layer_idx, who)
+        if not isinstance(layer, int):
+            return None
+        count = _host_counts(num_new, self.batch_size, key_states.shape[2], who)
+        capacity = self.stores[store_i].capacity
+        if capacity is not None:
+            _check_no_overflow(np.asarray(self.lengths)[layer], count, capacity, layer, who)
+        # One storage (``_eager``): one program for every layer, the index is an operand.
+        new, keys, values, short = _update_program(self, key_states, value_states, np.int32(layer), count)
+        if np.asarray(short).any():  # out of pages: the op-by-op path raises the storage's error
+            return None
+        return new, keys, values
 
     def update_view(
         self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
@@ -355,6 +390,7 @@ class KVCache:
             jit the row is cropped anyway and flagged ``INVALID``.
           TypeError: a non-integer ``max_length``.
         """
+        # Op by op even eagerly: a jitted crop would return copies of the buffers it keeps.
         who = f"{self._name}.crop"
         amounts = _crop_amounts(max_length, self.batch_size, who)
         new_lengths = crop_lengths(self.lengths, amounts)
@@ -392,6 +428,9 @@ class KVCache:
     def batch_repeat_interleave(self, repeats: int) -> KVCache:
         """Repeats every row ``repeats`` times, interleaved: rows a, b -> a, a, b, b."""
         r = _check_repeats(repeats, f"{self._name}.batch_repeat_interleave")
+        return _repeat_program(self, r) if self._eager(moves_all=self._rows_move_data) else self._repeat(r)
+
+    def _repeat(self, r: int) -> KVCache:
         n = self.batch_size * r
         return self._map_rows(lambda x, axis: jnp.repeat(x, r, axis=axis, total_repeat_length=n))._constrained()
 
@@ -482,7 +521,26 @@ class KVCache:
             flags=jnp.where(rows, flag_value, self.flags),
         )
 
+    def _eager(self, *args: Any, moves_all: bool = True) -> bool:
+        """Whether an op on these arguments runs eagerly as one jitted program.
+
+        A jitted call returns fresh buffers for every output, also for a leaf it passes
+        through unchanged (a copy that op by op would not make). So an op runs as one
+        program only where it rewrites every large leaf anyway: ``moves_all`` False says
+        it leaves some storage untouched (a write into one of several storages; a row op
+        on a page pool, which moves block tables, not pages).
+        """
+        return self.EAGER_PROGRAMS and moves_all and not _is_traced(*args, *jax.tree.leaves(self))
+
     def _gather_rows(self, idx: Array) -> KVCache:
+        return _gather_program(self, idx) if self._eager(idx, moves_all=self._rows_move_data) else self._gathered(idx)
+
+    @property
+    def _rows_move_data(self) -> bool:
+        """Row ops rewrite every storage (none shares its data across rows, as a page pool)."""
+        return not any(hasattr(s, "map_rows") for s in self.stores)
+
+    def _gathered(self, idx: Array) -> KVCache:
         ok = (idx >= 0) & (idx < self.batch_size)
         safe = jnp.where(ok, idx, 0)
         out = self._map_rows(lambda x, axis: jnp.take(x, safe, axis=axis))
@@ -504,6 +562,29 @@ class KVCache:
 
 
 register_dataclass(KVCache, data_fields=list(KVCache._data_fields), meta_fields=list(KVCache._meta_fields))
+
+
+def _check_no_overflow(old: np.ndarray, count: np.ndarray, capacity: int, layer: int, who: str) -> None:
+    total = old + count
+    over = total > capacity
+    if over.any():
+        row = int(np.argmax(over))
+        raise ValueError(
+            f"{who}: overflow in layer {layer}, row {row}: it holds {int(old[row])} tokens and "
+            f"{int(count[row])} new would make {int(total[row])} > max_length={capacity}. Allocate a "
+            "larger max_length, or crop the row first."
+        )
+
+
+def _update_arrays(cache, key_states, value_states, layer, count):
+    new, view, short = cache._write(key_states, value_states, layer, count)
+    dense = view.dense()
+    return new, dense.keys, dense.values, short
+
+
+_update_program = jax.jit(_update_arrays)
+_gather_program = jax.jit(lambda cache, idx: cache._gathered(idx))
+_repeat_program = jax.jit(lambda cache, r: cache._repeat(r), static_argnums=1)
 
 
 def storage_field(name: str, doc: str, *, dtype_of: str | None = None) -> property:
