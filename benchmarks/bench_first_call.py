@@ -10,9 +10,10 @@ Two changes, each measured against the code it replaced, side by side in this on
    brings the four sizes back (the merged full-size loop and the skipped window-only loop
    stay: they compute the same blocks in the same order). For a forward of L layers over a
    StaticCache and a PagedCache: the program's compile time and its median run time.
-2. An eager ``PagedCache.update`` of a new shape: it ran op by op (~150 small programs to
-   compile on the first call) and now runs the write as one jitted program. ``before``
-   calls the same write function without the jit. First call, then the median of later ones.
+2. An eager ``update`` of a new shape, StaticCache and PagedCache: it ran op by op (some
+   40 small programs to compile on the first call, ~150 for a page pool) and now runs as
+   one jitted program. ``before`` turns the jit off (``KVCache.EAGER_PROGRAMS`` and the
+   pool's write program), the same code op by op. First call, then the median of later ones.
 
     python benchmarks/bench_first_call.py [--layers 6] [--repeats 20] [--json benchmarks/results/first_call.json]
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import machine, print_table, time_calls, write_json
-from jaxkv import PagedCache, StaticCache
+from jaxkv import KVCache, PagedCache, StaticCache
 from jaxkv.attention import blockwise, cache_attention
 from jaxkv.caches import paged
 
@@ -87,14 +88,19 @@ def measure_prefill(kind: str, layers: int, chunk: int, repeats: int, partial_si
         blockwise.PARTIAL_BLOCK_MAX_QUERIES = saved
 
 
-def measure_eager_update(layers: int, repeats: int, jitted: bool, batch: int) -> dict:
-    """First eager update of a fresh shape (``batch`` rows), then the median of repeats."""
-    saved = paged._write_program
-    if not jitted:  # the write as it ran before: op by op
+def measure_eager_update(kind: str, layers: int, repeats: int, jitted: bool, batch: int) -> dict:
+    """First eager update of a fresh shape (``batch`` rows), then the median of repeats.
+    ``jitted`` False restores the op-by-op path: the container's own ops
+    (``KVCache.EAGER_PROGRAMS``) and the page pool's write."""
+    saved = paged._write_program, KVCache.EAGER_PROGRAMS
+    if not jitted:
         paged._write_program = lambda store, *args: store._write(*args)
+        KVCache.EAGER_PROGRAMS = False
     try:
-        cache = PagedCache.init(num_layers=layers, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                max_length=CAPACITY, page_size=16)
+        cache = (PagedCache.init(num_layers=layers, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 max_length=CAPACITY, page_size=16) if kind == "paged" else
+                 StaticCache.init(num_layers=layers, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                  max_length=CAPACITY))
         k = jnp.ones((batch, KV_HEADS, 3, HEAD_DIM), jnp.float32)
         start = time.perf_counter()
         jax.block_until_ready(cache.update(k, k, 0)[1])
@@ -102,7 +108,7 @@ def measure_eager_update(layers: int, repeats: int, jitted: bool, batch: int) ->
         again_ms = 1e3 * time_calls(lambda: jax.block_until_ready(cache.update(k, k, 0)[1]), repeats=repeats)
         return {"first_s": first_s, "again_ms": again_ms}
     finally:
-        paged._write_program = saved
+        paged._write_program, KVCache.EAGER_PROGRAMS = saved
 
 
 def main() -> None:
@@ -129,16 +135,18 @@ def main() -> None:
                  "ratio", "identical"], rows)
 
     rows = []
-    for i, batch in enumerate((3, 5)):  # a fresh shape each time, in both orders
-        order = (False, True) if i == 0 else (True, False)
-        got = {jitted: measure_eager_update(args.layers, args.repeats, jitted, batch) for jitted in order}
-        before, now = got[False], got[True]
-        results["eager_update"].append({"batch": batch, "before": before, "now": now})
-        rows.append([batch, f"{before['first_s']:.2f}", f"{now['first_s']:.2f}",
-                     f"{now['first_s'] / before['first_s']:.2f}x", f"{before['again_ms']:.2f}",
-                     f"{now['again_ms']:.2f}", f"{now['again_ms'] / before['again_ms']:.2f}x"])
-    print("\nEager PagedCache.update, a fresh shape (before: op by op; now: one jitted write)")
-    print_table(["rows", "first call before s", "first call now s", "ratio", "later before ms", "later now ms",
+    for kind in ("static", "paged"):
+        for i, batch in enumerate((3, 5)):  # a fresh shape each time, in both orders
+            order = (False, True) if i == 0 else (True, False)
+            got = {jitted: measure_eager_update(kind, args.layers, args.repeats, jitted, batch) for jitted in order}
+            before, now = got[False], got[True]
+            results["eager_update"].append({"kind": kind, "batch": batch, "first": "before" if i == 0 else "now",
+                                            "before": before, "now": now})
+            rows.append([kind, batch, "before" if i == 0 else "now", f"{before['first_s']:.2f}", f"{now['first_s']:.2f}",
+                         f"{now['first_s'] / before['first_s']:.2f}x", f"{before['again_ms']:.2f}",
+                         f"{now['again_ms']:.2f}", f"{now['again_ms'] / before['again_ms']:.2f}x"])
+    print("\nEager update of a fresh shape (before: op by op; now: one jitted program)")
+    print_table(["cache", "rows", "ran first", "first call before s", "first call now s", "ratio", "later before ms", "later now ms",
                  "ratio"], rows)
     write_json(args.json, results)
 
