@@ -369,10 +369,13 @@ PARTIAL_BLOCK_MAX_QUERIES = 16
 
 
 def _blockwise_loop(
-    queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size
+    queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size,
+    whole_last_block_above: Any = "default",
 ):
     """The online-softmax loop over blocks of slots; ``read_block(offset, size)`` returns the
-    block's keys and values ``[B, H, size, D]`` (sliced from a buffer, or dequantized)."""
+    block's keys and values ``[B, H, size, D]`` (sliced from a buffer, or dequantized).
+    Chunks of more than ``whole_last_block_above`` queries read the last partial block
+    whole (None: never; by default ``PARTIAL_BLOCK_MAX_QUERIES``, read at the call)."""
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     groups = num_q_heads // num_kv_heads
     block = min(block_size, num_slots)
@@ -469,7 +472,9 @@ def _blockwise_loop(
         mid = jnp.clip(end // block, fast_hi, stop)
         remaining = end - mid * block  # in [0, block)
         sizes = [block // d for d in (1, 2, 4, 8) if block % d == 0 and block // d >= 16] or [block]
-        if num_tokens > PARTIAL_BLOCK_MAX_QUERIES:
+        if whole_last_block_above == "default":
+            whole_last_block_above = PARTIAL_BLOCK_MAX_QUERIES
+        if whole_last_block_above is not None and num_tokens > whole_last_block_above:
             sizes = [block]
         # One fori_loop of 0 or 1 trips per size, not lax.switch: a conditional's operands
         # (the whole stacked buffers) would be copied into it on every call. The full-size
@@ -606,9 +611,12 @@ def paged_blockwise_attend(
             within = offset % page_size
             return tuple(jax.lax.dynamic_slice_in_dim(x, within, size, axis=2) for x in (keys, values))
 
+        # Whole last blocks made paged prefill chunks slower (a block is a gather of its
+        # pages: 1.09x-1.45x for 128-token chunks ending inside a block, in four runs of
+        # benchmarks/bench_first_call.py), so pages keep the four sizes for every chunk.
         return _blockwise_loop(
             queries, read_block, view.num_slots, num_kv_heads, q_pos, kv_len, sliding_window=sliding_window,
-            logit_softcap=logit_softcap, scale=scale, block_size=block_size,
+            logit_softcap=logit_softcap, scale=scale, block_size=block_size, whole_last_block_above=None,
         )
 
     why_not = None
