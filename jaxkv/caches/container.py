@@ -50,12 +50,13 @@ Overflow and bad-index policy (never silent):
   ``INVALID``; a traced layer index out of range writes nothing and sets ``INVALID`` on
   every row. Read them with ``cache.overflowed`` / ``cache.flags``, or ``cache.check()``.
 
-Eagerly, ``update``, ``reorder_cache``, ``batch_select_indices`` and
+Eagerly, ``update``, ``crop``, ``reset``, ``reorder_cache``, ``batch_select_indices`` and
 ``batch_repeat_interleave`` check their arguments on the host (the errors above), then run
 as one jitted program rather than op by op (a first eager update of a new shape compiled
-some 40 small programs, 150 on a page pool). Where one program would copy data the op
-leaves alone (an update of one of several storages, row ops on a page pool, ``crop``,
-``reset``) they stay op by op.
+some 40 small programs, 150 on a page pool). The program hands back the buffers an op
+leaves alone as they were (``_EagerProgram``): a crop, a reset or a fork of a page pool
+still moves no data. Errors only a run can find (a pool out of pages, a ring cropped past
+what it evicted) send the op down the op-by-op path, which raises them.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
@@ -332,9 +334,7 @@ class KVCache:
           TypeError: non-floating states, a non-integer ``num_new``, a traced layer index
             with several storages.
         """
-        if type(self).write is KVCache.write and self._eager(
-            key_states, value_states, layer_idx, num_new, moves_all=len(self.stores) == 1
-        ):
+        if type(self).write is KVCache.write and self._eager(key_states, value_states, layer_idx, num_new):
             done = self._eager_update(key_states, value_states, layer_idx, num_new)
             if done is not None:
                 return done
@@ -355,8 +355,10 @@ class KVCache:
         capacity = self.stores[store_i].capacity
         if capacity is not None:
             _check_no_overflow(np.asarray(self.lengths)[layer], count, capacity, layer, who)
-        # One storage (``_eager``): one program for every layer, the index is an operand.
-        new, keys, values, short = _update_program(self, key_states, value_states, np.int32(layer), count)
+        if len(self.stores) == 1:  # one program for every layer: the index is an operand
+            new, keys, values, short = _update_program(self, key_states, value_states, np.int32(layer), count)
+        else:  # storages of different shapes: the layer picks one at trace time
+            new, keys, values, short = _update_program_static_layer(self, key_states, value_states, layer, count)
         if np.asarray(short).any():  # out of pages: the op-by-op path raises the storage's error
             return None
         return new, keys, values
@@ -390,9 +392,17 @@ class KVCache:
             jit the row is cropped anyway and flagged ``INVALID``.
           TypeError: a non-integer ``max_length``.
         """
-        # Op by op even eagerly: a jitted crop would return copies of the buffers it keeps.
+        amounts = _crop_amounts(max_length, self.batch_size, f"{self._name}.crop")
+        if self._eager(amounts):
+            new, lost = _crop_program(self, amounts)
+            if not np.asarray(lost).any():
+                return new
+            # A ring lost positions it still needs: the op-by-op path raises the storage's error.
+        return self._crop(amounts)[0]
+
+    def _crop(self, amounts: Array) -> tuple[KVCache, Array]:
+        """:meth:`crop` by int32[B] amounts; also returns bool[B], the rows flagged ``INVALID``."""
         who = f"{self._name}.crop"
-        amounts = _crop_amounts(max_length, self.batch_size, who)
         new_lengths = crop_lengths(self.lengths, amounts)
         stores, lost_any = [], jnp.zeros((self.batch_size,), bool)
         for i, store in enumerate(self.stores):
@@ -402,7 +412,7 @@ class KVCache:
             lost_any = lost_any | jnp.any(lost, axis=0)
         return dataclasses.replace(
             self, stores=tuple(stores), lengths=new_lengths, flags=self.flags | _flag(lost_any, INVALID)
-        )._constrained()
+        )._constrained(), lost_any
 
     def reset(self, rows: Any = None) -> KVCache:
         """Empties the cache (or only the rows where ``rows`` (bool[B]) is true).
@@ -413,6 +423,9 @@ class KVCache:
         if rows is None:
             rows = jnp.ones((self.batch_size,), bool)
         rows = _check_reset_rows(rows, self.batch_size, f"{self._name}.reset")
+        return _reset_program(self, rows) if self._eager(rows) else self._reset(rows)
+
+    def _reset(self, rows: Array) -> KVCache:
         return self._emptied(rows, jnp.int32(0))._constrained()
 
     # ---- row ops
@@ -428,7 +441,7 @@ class KVCache:
     def batch_repeat_interleave(self, repeats: int) -> KVCache:
         """Repeats every row ``repeats`` times, interleaved: rows a, b -> a, a, b, b."""
         r = _check_repeats(repeats, f"{self._name}.batch_repeat_interleave")
-        return _repeat_program(self, r) if self._eager(moves_all=self._rows_move_data) else self._repeat(r)
+        return _repeat_program(self, r) if self._eager() else self._repeat(r)
 
     def _repeat(self, r: int) -> KVCache:
         n = self.batch_size * r
@@ -521,24 +534,13 @@ class KVCache:
             flags=jnp.where(rows, flag_value, self.flags),
         )
 
-    def _eager(self, *args: Any, moves_all: bool = True) -> bool:
-        """Whether an op on these arguments runs eagerly as one jitted program.
-
-        A jitted call returns fresh buffers for every output, also for a leaf it passes
-        through unchanged (a copy that op by op would not make). So an op runs as one
-        program only where it rewrites every large leaf anyway: ``moves_all`` False says
-        it leaves some storage untouched (a write into one of several storages; a row op
-        on a page pool, which moves block tables, not pages).
-        """
-        return self.EAGER_PROGRAMS and moves_all and not _is_traced(*args, *jax.tree.leaves(self))
+    def _eager(self, *args: Any) -> bool:
+        """Whether an op on these arguments runs eagerly as one jitted program
+        (:class:`_EagerProgram`)."""
+        return self.EAGER_PROGRAMS and not _is_traced(*args, *jax.tree.leaves(self))
 
     def _gather_rows(self, idx: Array) -> KVCache:
-        return _gather_program(self, idx) if self._eager(idx, moves_all=self._rows_move_data) else self._gathered(idx)
-
-    @property
-    def _rows_move_data(self) -> bool:
-        """Row ops rewrite every storage (none shares its data across rows, as a page pool)."""
-        return not any(hasattr(s, "map_rows") for s in self.stores)
+        return _gather_program(self, idx) if self._eager(idx) else self._gathered(idx)
 
     def _gathered(self, idx: Array) -> KVCache:
         ok = (idx >= 0) & (idx < self.batch_size)
@@ -582,9 +584,54 @@ def _update_arrays(cache, key_states, value_states, layer, count):
     return new, dense.keys, dense.values, short
 
 
-_update_program = jax.jit(_update_arrays)
-_gather_program = jax.jit(lambda cache, idx: cache._gathered(idx))
-_repeat_program = jax.jit(lambda cache, r: cache._repeat(r), static_argnums=1)
+class _EagerProgram:
+    """``fn(*args)`` run eagerly as one jitted program that returns only the leaves it
+    computes: an output leaf that is an input leaf passed through (a buffer the op leaves
+    alone: a crop's keys, a page pool under a row op) is handed back as that input, never
+    copied, as a plain jitted call would (it returns fresh buffers for every output).
+
+    Which outputs are passed through is read from the traced program once per argument
+    structure and types (``jax.make_jaxpr``); that program, jitted, returns the others.
+    """
+
+    def __init__(self, fn, static_argnums: tuple[int, ...] = ()):
+        self._fn, self._static = fn, frozenset(static_argnums)
+        self._plans: dict = {}
+
+    def __call__(self, *args):
+        statics = tuple((i, args[i]) for i in sorted(self._static))
+        leaves, treedef = jax.tree.flatten([a for i, a in enumerate(args) if i not in self._static])
+        key = (treedef, statics, tuple(jax.typeof(x) for x in leaves))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(treedef, statics, leaves)
+        out_tree, passed, program = plan
+        computed = iter(program(*leaves))
+        return jax.tree.unflatten(out_tree, [next(computed) if i is None else leaves[i] for i in passed])
+
+    def _plan(self, treedef, statics, leaves):
+        given = dict(statics)
+
+        def flat(*xs):
+            dynamic = jax.tree.unflatten(treedef, list(xs))  # the non-static arguments, in order
+            rest = iter(dynamic)
+            return self._fn(*[given[i] if i in given else next(rest) for i in range(len(dynamic) + len(given))])
+
+        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+        inputs = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
+        passed = [inputs.get(id(v)) for v in closed.jaxpr.outvars]
+        keep = [i for i, p in enumerate(passed) if p is None]
+        traced = jaxpr_as_fun(closed)  # the program as traced once: no second trace of fn
+        program = jax.jit(lambda *xs: [out for i, out in enumerate(traced(*xs)) if i in keep])
+        return jax.tree.structure(out_shape), passed, program
+
+
+_update_program = _EagerProgram(_update_arrays)
+_update_program_static_layer = _EagerProgram(_update_arrays, static_argnums=(3,))
+_crop_program = _EagerProgram(lambda cache, amounts: cache._crop(amounts))
+_reset_program = _EagerProgram(lambda cache, rows: cache._reset(rows))
+_gather_program = _EagerProgram(lambda cache, idx: cache._gathered(idx))
+_repeat_program = _EagerProgram(lambda cache, r: cache._repeat(r), static_argnums=(1,))
 
 
 def storage_field(name: str, doc: str, *, dtype_of: str | None = None) -> property:

@@ -41,6 +41,7 @@ from jaxkv.caches._checks import (
     _layer_index,
     _raise_on_flags,
 )
+from jaxkv.caches.container import KVCache
 from jaxkv.caches.views import LayerView
 
 Array = jax.Array
@@ -268,6 +269,9 @@ class EncoderDecoderCache:
         self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None
     ) -> tuple[EncoderDecoderCache, Array, Array]:
         """Writes decoder self-attention states; see the self-attention cache's ``update``."""
+        if isinstance(self.self_attention, KVCache):  # its update (one program, eagerly)
+            own, keys, values = self.self_attention.update(key_states, value_states, layer_idx, num_new=num_new)
+            return dataclasses.replace(self, self_attention=own), keys, values
         cache, view = self.update_view(key_states, value_states, layer_idx, num_new=num_new)
         return cache, view.keys, view.values
 
