@@ -10,9 +10,10 @@ Two changes, each measured against the code it replaced, side by side in this on
    brings the four sizes back (the merged full-size loop and the skipped window-only loop
    stay: they compute the same blocks in the same order). For a forward of L layers over a
    StaticCache and a PagedCache: the program's compile time and its median run time.
-2. An eager ``update`` of a new shape, StaticCache and PagedCache: it ran op by op (some
-   40 small programs to compile on the first call, ~150 for a page pool) and now runs as
-   one jitted program. ``before`` turns the jit off (``KVCache.EAGER_PROGRAMS`` and the
+2. Eager ops on a new shape, StaticCache and PagedCache: ``update``, ``crop(-1)`` and a
+   fork (``batch_repeat_interleave(2)``). They ran op by op (some 40 small programs to
+   compile on an update's first call, ~150 for a page pool) and now run as one jitted
+   program each. ``before`` turns the jit off (``KVCache.EAGER_PROGRAMS`` and the
    pool's write program), the same code op by op. First call, then the median of later ones.
 
     python benchmarks/bench_first_call.py [--layers 6] [--repeats 20] [--json benchmarks/results/first_call.json]
@@ -102,11 +103,20 @@ def measure_eager_update(kind: str, layers: int, repeats: int, jitted: bool, bat
                  StaticCache.init(num_layers=layers, batch_size=batch, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                   max_length=CAPACITY))
         k = jnp.ones((batch, KV_HEADS, 3, HEAD_DIM), jnp.float32)
-        start = time.perf_counter()
-        jax.block_until_ready(cache.update(k, k, 0)[1])
-        first_s = time.perf_counter() - start
-        again_ms = 1e3 * time_calls(lambda: jax.block_until_ready(cache.update(k, k, 0)[1]), repeats=repeats)
-        return {"first_s": first_s, "again_ms": again_ms}
+        ops = {
+            "update": lambda c: c.update(k, k, 0)[1],
+            "crop": lambda c: c.crop(-1).lengths,
+            "fork": lambda c: c.batch_repeat_interleave(2).lengths,
+        }
+        out = {}
+        for name, op in ops.items():
+            start = time.perf_counter()
+            jax.block_until_ready(op(cache))
+            out[f"{name}_first_s"] = time.perf_counter() - start
+            out[f"{name}_again_ms"] = 1e3 * time_calls(lambda: jax.block_until_ready(op(cache)), repeats=repeats)
+            if name == "update":
+                cache = cache.update(k, k, 0)[0]
+        return out
     finally:
         paged._write_program, KVCache.EAGER_PROGRAMS = saved
 
@@ -142,12 +152,14 @@ def main() -> None:
             before, now = got[False], got[True]
             results["eager_update"].append({"kind": kind, "batch": batch, "first": "before" if i == 0 else "now",
                                             "before": before, "now": now})
-            rows.append([kind, batch, "before" if i == 0 else "now", f"{before['first_s']:.2f}", f"{now['first_s']:.2f}",
-                         f"{now['first_s'] / before['first_s']:.2f}x", f"{before['again_ms']:.2f}",
-                         f"{now['again_ms']:.2f}", f"{now['again_ms'] / before['again_ms']:.2f}x"])
-    print("\nEager update of a fresh shape (before: op by op; now: one jitted program)")
-    print_table(["cache", "rows", "ran first", "first call before s", "first call now s", "ratio", "later before ms", "later now ms",
-                 "ratio"], rows)
+            for op in ("update", "crop", "fork"):
+                b1, n1 = before[f"{op}_first_s"], now[f"{op}_first_s"]
+                b2, n2 = before[f"{op}_again_ms"], now[f"{op}_again_ms"]
+                rows.append([kind, batch, "before" if i == 0 else "now", op, f"{b1:.2f}", f"{n1:.2f}", f"{n1 / b1:.2f}x",
+                             f"{b2:.2f}", f"{n2:.2f}", f"{n2 / b2:.2f}x"])
+    print("\nEager ops on a fresh shape (before: op by op; now: one jitted program)")
+    print_table(["cache", "rows", "ran first", "op", "first call before s", "first call now s", "ratio",
+                 "later before ms", "later now ms", "ratio"], rows)
     write_json(args.json, results)
 
 
