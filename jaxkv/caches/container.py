@@ -69,7 +69,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
@@ -584,6 +583,14 @@ def _update_arrays(cache, key_states, value_states, layer, count):
     return new, dense.keys, dense.values, short
 
 
+try:  # jax >= 0.5: the public names
+    from jax import typeof as _typeof
+    from jax.extend.core import jaxpr_as_fun as _jaxpr_as_fun
+except ImportError:  # older jax (pyproject allows 0.4.35)
+    from jax.core import get_aval as _typeof
+    from jax.core import jaxpr_as_fun as _jaxpr_as_fun
+
+
 class _EagerProgram:
     """``fn(*args)`` run eagerly as one jitted program that returns only the leaves it
     computes: an output leaf that is an input leaf passed through (a buffer the op leaves
@@ -601,7 +608,7 @@ class _EagerProgram:
     def __call__(self, *args):
         statics = tuple((i, args[i]) for i in sorted(self._static))
         leaves, treedef = jax.tree.flatten([a for i, a in enumerate(args) if i not in self._static])
-        key = (treedef, statics, tuple(jax.typeof(x) for x in leaves))
+        key = (treedef, statics, tuple(_typeof(x) for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(treedef, statics, leaves)
@@ -621,7 +628,7 @@ class _EagerProgram:
         inputs = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
         passed = [inputs.get(id(v)) for v in closed.jaxpr.outvars]
         keep = [i for i, p in enumerate(passed) if p is None]
-        traced = jaxpr_as_fun(closed)  # the program as traced once: no second trace of fn
+        traced = _jaxpr_as_fun(closed)  # the program as traced once: no second trace of fn
         program = jax.jit(lambda *xs: [out for i, out in enumerate(traced(*xs)) if i in keep])
         return jax.tree.structure(out_shape), passed, program
 
