@@ -370,12 +370,12 @@ PARTIAL_BLOCK_MAX_QUERIES = 16
 
 def _blockwise_loop(
     queries, read_block, num_slots, num_kv_heads, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size,
-    whole_last_block_above: Any = "default",
+    whole_last_block: bool = True,
 ):
     """The online-softmax loop over blocks of slots; ``read_block(offset, size)`` returns the
     block's keys and values ``[B, H, size, D]`` (sliced from a buffer, or dequantized).
-    Chunks of more than ``whole_last_block_above`` queries read the last partial block
-    whole (None: never; by default ``PARTIAL_BLOCK_MAX_QUERIES``, read at the call)."""
+    With ``whole_last_block``, chunks of more than ``PARTIAL_BLOCK_MAX_QUERIES`` queries
+    read the last partial block whole."""
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     groups = num_q_heads // num_kv_heads
     block = min(block_size, num_slots)
@@ -468,13 +468,11 @@ def _blockwise_loop(
         # not a whole, mostly empty block. A prefill chunk's queries outweigh a partial
         # block's read, so it reads whole blocks; each extra size is one more loop body to
         # compile per layer (seven bodies took ~0.5 s of XLA:CPU compile per layer of a
-        # 32-token prefill; benchmarks/bench_compile.py).
+        # 32-token prefill; benchmarks/bench_first_call.py).
         mid = jnp.clip(end // block, fast_hi, stop)
         remaining = end - mid * block  # in [0, block)
         sizes = [block // d for d in (1, 2, 4, 8) if block % d == 0 and block // d >= 16] or [block]
-        if whole_last_block_above == "default":
-            whole_last_block_above = PARTIAL_BLOCK_MAX_QUERIES
-        if whole_last_block_above is not None and num_tokens > whole_last_block_above:
+        if whole_last_block and num_tokens > PARTIAL_BLOCK_MAX_QUERIES:
             sizes = [block]
         # One fori_loop of 0 or 1 trips per size, not lax.switch: a conditional's operands
         # (the whole stacked buffers) would be copied into it on every call. The full-size
@@ -616,7 +614,7 @@ def paged_blockwise_attend(
         # benchmarks/bench_first_call.py), so pages keep the four sizes for every chunk.
         return _blockwise_loop(
             queries, read_block, view.num_slots, num_kv_heads, q_pos, kv_len, sliding_window=sliding_window,
-            logit_softcap=logit_softcap, scale=scale, block_size=block_size, whole_last_block_above=None,
+            logit_softcap=logit_softcap, scale=scale, block_size=block_size, whole_last_block=False,
         )
 
     why_not = None
