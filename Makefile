@@ -11,12 +11,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP_BASE): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[models]"
+$(STAMP_BASE): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[models]"
 	touch $@
 
-$(STAMP_TEST): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+$(STAMP_TEST): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,bench]"
 	touch $@ $(STAMP_BASE)
 
 # The main job on the embedded default model: stream Python-like text, then a summary line.
