@@ -21,10 +21,13 @@ Two tables, all figures from this one run (the machines here are shared: compare
 * Cold start: ``python -m jaxkv generate`` in fresh subprocesses, time from launch to the
   first generated character on stdout and to exit, without the compilation cache
   (``JAXKV_COMPILATION_CACHE=0``), with an empty cache directory (the first run fills it),
-  and with the filled one. Best of R for each.
+  and with the filled one. Best of R for each. ``--other-pythonpath DIR`` adds the filled
+  case alternated with ``PYTHONPATH=DIR`` (``constraints.txt``: ml_dtypes 0.7.0's import).
 
     python benchmarks/bench_demo.py            # writes benchmarks/results/demo.json
     python benchmarks/bench_demo.py --quick    # fewer tokens and repeats, writes nothing
+    pip install --target /tmp/mld070 --no-deps ml_dtypes==0.7.0
+    python benchmarks/bench_demo.py --other-pythonpath /tmp/mld070
 """
 
 from __future__ import annotations
@@ -223,10 +226,18 @@ def cold_run(env: dict) -> tuple[float, float, str]:
     return first_token, total, summary
 
 
-def cold_table(repeats: int) -> list[dict]:
+def cold_table(repeats: int, other_pythonpath: str | None = None) -> list[dict]:
+    """The cold-start rows. With ``other_pythonpath``, two more filled-cache rows, alternated
+    run by run: this environment as it is, and with ``PYTHONPATH=other_pythonpath`` in front
+    (e.g. a ``pip install --target DIR --no-deps ml_dtypes==0.7.0``: its import time)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     rows = []
+
+    def add(name, runs):
+        first, total = min(r[0] for r in runs), min(r[1] for r in runs)
+        rows.append(dict(case=name, first_token_s=first, total_s=total, runs=len(runs), summary=runs[-1][2]))
+
     with tempfile.TemporaryDirectory(prefix="jaxkv-bench-xla-") as directory:
         cases = [
             ("no compilation cache", {**env, "JAXKV_COMPILATION_CACHE": "0"}, repeats),
@@ -234,9 +245,13 @@ def cold_table(repeats: int) -> list[dict]:
             ("filled cache", {**env, "JAXKV_COMPILATION_CACHE": directory}, repeats),
         ]
         for name, case_env, n in cases:
-            runs = [cold_run(case_env) for _ in range(n)]
-            first, total = min(r[0] for r in runs), min(r[1] for r in runs)
-            rows.append(dict(case=name, first_token_s=first, total_s=total, runs=n, summary=runs[-1][2]))
+            add(name, [cold_run(case_env) for _ in range(n)])
+        if other_pythonpath is not None:
+            filled = {**env, "JAXKV_COMPILATION_CACHE": directory}
+            other = {**filled, "PYTHONPATH": os.pathsep.join(p for p in (other_pythonpath, env.get("PYTHONPATH")) if p)}
+            pairs = [(cold_run(filled), cold_run(other)) for _ in range(repeats)]
+            add("filled cache, alternated: as installed", [a for a, _ in pairs])
+            add(f"filled cache, alternated: PYTHONPATH={other_pythonpath}", [b for _, b in pairs])
     base = rows[0]
     for row in rows:
         row["first_token_vs_no_cache"] = row["first_token_s"] / base["first_token_s"]
@@ -247,6 +262,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats; writes nothing")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per timed stream (default 512)")
+    parser.add_argument("--other-pythonpath", default=None, metavar="DIR",
+                        help="also time the filled-cache cold start with PYTHONPATH=DIR, alternated with the "
+                             "plain one (e.g. DIR from `pip install --target DIR --no-deps ml_dtypes==0.7.0`)")
     args = parser.parse_args()
     tokens = args.tokens or (128 if args.quick else 512)
     repeats = 2 if args.quick else 5
@@ -260,7 +278,7 @@ def main() -> None:
     )
     print()
     print(f"## Cold start: python -m jaxkv generate {PROMPT!r} --max-new-tokens 120, best of {repeats}")
-    cold_rows = cold_table(repeats)
+    cold_rows = cold_table(repeats, args.other_pythonpath)
     print_table(
         ["compilation cache", "first token (s)", "exit (s)", "first token vs no cache"],
         [[r["case"], f"{r['first_token_s']:.2f}", f"{r['total_s']:.2f}", f"{r['first_token_vs_no_cache']:.2f}x"]
