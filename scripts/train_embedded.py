@@ -385,17 +385,45 @@ def load_init(args, tok, eot_id):
                         ("intermediate", cfg.intermediate_size)):
         setattr(args, name, value)
     cfg.max_position_embeddings = args.max_positions  # this run's declared context, not the source's
-    # The log of the run that wrote src: this run's --docs, else the repository's docs/ (a run
-    # writing elsewhere, as on the accelerator, still finds the shipped model's log).
-    prior = None
-    for log_path in dict.fromkeys((REPO / args.docs / "training_log.json", REPO / "docs" / "training_log.json")):
-        if log_path.exists():
-            log = json.loads(log_path.read_text())
-            if (REPO / log["args"]["out"]).resolve() == src:
-                prior = log
-                break
+    prior = find_prior_log(src, [REPO / args.docs / "training_log.json", REPO / "docs" / "training_log.json"])
     print(f"init from {src} (prior run: {prior['command'] if prior else 'no log of it found'})", flush=True)
     return model, prior
+
+
+SHIPPED_MODEL = REPO / "jaxkv" / "_assets" / "pycoder"
+SHIPPED_LOG = REPO / "docs" / "training_log.json"
+
+
+def weights_sha256(model_dir: Path) -> str:
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()
+
+
+def find_prior_log(src: Path, log_paths: list[Path]) -> dict | None:
+    """The training log (of those at ``log_paths`` that exist, first match) of the run that
+    wrote the weights in ``src``, else None.
+
+    A log that records ``model.weights_sha256`` matches the weights it names, wherever they
+    were copied. Older logs record only the directory the run wrote (``args.out``, e.g.
+    ``/tmp/run7/pycoder``); such a log matches that directory, and the repository's
+    ``docs/training_log.json`` also matches the shipped model it documents
+    (``jaxkv/_assets/pycoder``, copied from the run's ``--out``).
+    """
+    src = Path(src).resolve()
+    digest = weights_sha256(src) if (src / "model.safetensors").exists() else None
+    for log_path in dict.fromkeys(Path(p) for p in log_paths):
+        if not log_path.exists():
+            continue
+        log = json.loads(log_path.read_text())
+        recorded = log.get("model", {}).get("weights_sha256")
+        if recorded is not None:
+            matches = recorded == digest
+        else:
+            matches = (REPO / log["args"]["out"]).resolve() == src or (
+                src == SHIPPED_MODEL.resolve() and log_path.resolve() == SHIPPED_LOG.resolve()
+            )
+        if matches:
+            return log
+    return None
 
 
 def grow_depth(model, n_layers: int) -> list[int]:
@@ -726,6 +754,7 @@ def main(argv=None):
             "parameters": n_params,
             "config": json.loads((out / "config.json").read_text()),
             "weights_file_bytes": weight_bytes,
+            "weights_sha256": weights_sha256(out),  # find_prior_log matches a continued run's start by it
             **({"grown_from": grown_from} if grown_from else {}),
         },
         "training": {

@@ -173,3 +173,36 @@ def test_grow_depth_keeps_the_function_and_trains_the_new_layers():
     assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
     with pytest.raises(SystemExit, match="only adds layers"):
         train_embedded.grow_depth(fresh, 2)
+
+
+def _log(out, sha=None):
+    log = {"command": f"train --out {out}", "args": {"out": str(out)}, "model": {}}
+    if sha is not None:
+        log["model"]["weights_sha256"] = sha
+    return log
+
+
+def test_prior_log_is_found_by_the_weights_it_wrote(tmp_path):
+    """A continued run carries the log of the run that made its starting weights: by their
+    hash when the log records it (the weights may have been copied anywhere), else by the
+    directory the run wrote; a log of other weights is never taken."""
+    model = tmp_path / "copied" / "pycoder"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights of run 8")
+    sha = train_embedded.weights_sha256(model)
+    by_hash, other, by_dir = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    by_hash.write_text(json.dumps(_log("/tmp/run8/pycoder", sha)))
+    other.write_text(json.dumps(_log(str(model), "0" * 64)))  # same directory, other weights
+    by_dir.write_text(json.dumps(_log(str(model))))
+    assert train_embedded.find_prior_log(model, [tmp_path / "missing.json", by_hash])["args"]["out"] == "/tmp/run8/pycoder"
+    assert train_embedded.find_prior_log(model, [other]) is None
+    assert train_embedded.find_prior_log(model, [other, by_dir])["command"] == f"train --out {model}"
+    assert train_embedded.find_prior_log(tmp_path / "nowhere", [by_hash, other]) is None
+
+
+def test_the_shipped_model_finds_the_repository_log():
+    """docs/training_log.json documents jaxkv/_assets/pycoder (its run wrote /tmp/runN and was
+    copied), so continuing the shipped model carries that log forward."""
+    log = train_embedded.find_prior_log(train_embedded.SHIPPED_MODEL, [train_embedded.SHIPPED_LOG])
+    assert log is not None
+    assert log == json.loads(train_embedded.SHIPPED_LOG.read_text())
