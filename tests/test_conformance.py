@@ -471,17 +471,36 @@ def test_donated_decode_step_compiles_once_and_copies_nothing(kind):
 
 @protocol_kinds
 def test_overflow_policy(kind):
-    cache = filled(kind)
-    k = jnp.ones((B, H, S, D))
+    """Eagerly an overflow is an error; under jit the tokens past capacity are dropped (never
+    clamped onto the last slot), the rows flagged, and each layer holds exactly what the
+    NumPy model holds: the old tokens and the first new ones that fit. A second overflowing
+    write changes nothing."""
+    rng = np.random.default_rng(7)
+    cache, ref = KINDS[kind](), KindReference(kind)
+    for layer in range(L):
+        k = rand(rng, 3)
+        cache = do_update(kind, cache, layer, k, k, [3, 2, 1])
+        ref.update(layer, k, k, [3, 2, 1])
+    k, v = rand(rng, S), rand(rng, S)
     if CAPACITY[kind] is None:  # a ring never overflows
-        assert not cache.update(k, k, 0)[0].overflowed.any()
+        assert not cache.update(k, v, 0)[0].overflowed.any()
         return
     layer = 1  # a bounded layer of every bounded kind
     with pytest.raises(ValueError, match=rf"overflow in layer {layer}, row 0: it holds 3 tokens"):
-        cache.update(k, k, layer)
-    out = jax.jit(lambda c: c.update(k, k, layer)[0])(cache)
+        cache.update(k, v, layer)
+    q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
+    out = do_update(kind, cache, layer, k, v, [S] * B)
+    ref.update(layer, k, v, [S] * B)  # keeps the first S - n new tokens of a row holding n
     np.testing.assert_array_equal(out.seq_lengths(layer), [S] * B)
     np.testing.assert_array_equal(out.overflowed, [True] * B)
+    for again in (False, True):
+        poisoned = poison_unused(out)
+        for i in range(L):
+            np.testing.assert_allclose(attention_of(kind, poisoned, i, q), ref.attention(i, q),
+                                       atol=ATOL.get(kind, 2e-5), rtol=1e-4, err_msg=f"layer {i}, again={again}")
+        if not again:  # a full layer takes nothing more
+            out = do_update(kind, out, layer, v, k, [S] * B)
+            np.testing.assert_array_equal(lengths_of(out), [[ref.length(i, b) for b in range(B)] for i in range(L)])
     with pytest.raises(CacheError, match=r"rows \[0, 1, 2\] overflowed"):
         out.check()
     assert not out.reset().overflowed.any()
