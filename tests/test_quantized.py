@@ -310,3 +310,48 @@ def test_protocol():
     assert len(cache) == L and len(list(cache)) == L and cache.get_max_length() == S
     assert cache.get_seq_length(0) == 5 and cache.residual_length == 2 and cache.head_dim == D
     assert jax.tree.structure(cache) == jax.tree.structure(make(8, 2))
+
+
+@pytest.mark.parametrize("kind", ["quantized", "paged"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_all_zero_tokens_attend_exactly(kind, bits):
+    """All-zero tokens (a scale of 0) through write and attention, not only the quantizer: a
+    row of nothing but zero tokens attends to exactly 0, and zero tokens among others are
+    read as zeros, never NaN. The other tokens are multiples of 1/4 with one component at
+    +-qmax / 4, so their codes are exact and the float64 reference (causal attention over the
+    tokens as given) holds to float32 rounding."""
+    from jaxkv import PagedCache
+    from jaxkv.attention import cache_attention
+
+    qmax, t, hq, d = QMAX[bits], 5, 4, 8
+    rng = np.random.default_rng(bits)
+
+    def tokens():
+        x = rng.integers(-qmax, qmax + 1, size=(B, H, t, d)).astype(np.float32)
+        x[..., 0] = qmax * rng.choice([-1.0, 1.0], size=(B, H, t))
+        x[0] = 0.0  # row 0: zero tokens only
+        x[1, :, 2] = 0.0  # row 1: one zero token among others
+        return x / 4
+
+    keys, values = tokens(), tokens()
+    queries = rng.standard_normal((B, hq, t, d)).astype(np.float32)
+    if kind == "quantized":
+        cache = make(bits=bits, head_dim=d)
+    else:
+        cache = PagedCache.init(num_layers=L, batch_size=B, num_kv_heads=H, head_dim=d, max_length=S,
+                                page_size=4, bits=bits)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+    out, cache = jax.jit(lambda c, q, k, v: cache_attention(q, k, v, c, 1, positions=positions))(
+        cache, jnp.asarray(queries), jnp.asarray(keys), jnp.asarray(values))
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[0], 0.0)
+    want = np.zeros(out.shape)
+    for b in range(B):
+        for h in range(hq):
+            k, v = keys[b, h // (hq // H)].astype(np.float64), values[b, h // (hq // H)].astype(np.float64)
+            for i in range(t):
+                logits = k[: i + 1] @ queries[b, h, i].astype(np.float64) / np.sqrt(d)
+                w = np.exp(logits - logits.max())
+                want[b, h, i] = (w / w.sum()) @ v[: i + 1]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
