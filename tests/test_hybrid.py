@@ -248,6 +248,10 @@ def test_scan_decode_loop_equals_step_loop():
 
 
 def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
+    """Under jax_enable_x64 (a subprocess): storage dtypes and int32 indices stay as they are, and
+    attention over static, paged and quantized caches with int64 positions equals NumPy, and
+    generate gives the uncached forward's greedy tokens (it raised on a dynamic_slice of mixed
+    int32/int64 indices before)."""
     script = textwrap.dedent(
         """
         import jax
@@ -270,6 +274,50 @@ def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
         q, keys, _ = jax.jit(lambda c: c.update(k, k, jnp.int64(0), num_new=jnp.array([5, 2])))(q)
         assert keys.dtype == jnp.bfloat16 and q.keys.dtype == jnp.uint8
         assert q.lengths.dtype == q.residual_positions.dtype == jnp.int32
+        # Attention over every layout with int64 positions (x64 makes jnp.arange int64):
+        # float32 out, equal to a float64 NumPy reference, for a 5-token chunk and a decode step.
+        import numpy as np
+        from jaxkv import PagedCache, StaticCache
+        from jaxkv.attention import cache_attention
+        rng = np.random.default_rng(0)
+        kk, vv = (rng.standard_normal((2, 2, 6, 8)).astype(np.float32) for _ in range(2))
+        qq = rng.standard_normal((2, 4, 6, 8)).astype(np.float32)
+        def reference(t):
+            out = np.zeros((2, 4, t, 8))
+            for b in range(2):
+                for h in range(4):
+                    k, v = kk[b, h // 2, :t].astype(np.float64), vv[b, h // 2, :t].astype(np.float64)
+                    for i in range(t):
+                        w = np.exp(k[: i + 1] @ qq[b, h, i] / np.sqrt(8))
+                        out[b, h, i] = (w / w.sum()) @ v[: i + 1]
+            return out
+        step = jax.jit(lambda c, q, k, v, p: cache_attention(q, k, v, c, 0, positions=p))
+        for cache in (StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=8, max_length=8),
+                      PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=8, max_length=8, page_size=4),
+                      QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=8, max_length=8, bits=8,
+                                          residual_length=8)):
+            pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+            assert pos.dtype == jnp.int64
+            out, cache = step(cache, qq[:, :, :5], kk[:, :, :5], vv[:, :, :5], pos)
+            last, cache = step(cache, qq[:, :, 5:], kk[:, :, 5:], vv[:, :, 5:], cache.positions(1))
+            assert out.dtype == last.dtype == jnp.float32, (type(cache).__name__, out.dtype, last.dtype)
+            got = np.concatenate([np.asarray(out), np.asarray(last)], axis=2)
+            np.testing.assert_allclose(got, reference(6), rtol=1e-5, atol=1e-5, err_msg=type(cache).__name__)
+            assert cache.seq_lengths(0).dtype == jnp.int32 and cache.seq_lengths(0).tolist() == [6, 6]
+        # A model under x64 (int64 token ids): generate's greedy tokens are the uncached forward's.
+        from flax import nnx
+        import jaxkv
+        from jaxkv.models.llama import Llama, LlamaConfig
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=4)
+        model = Llama(config, rngs=nnx.Rngs(0))
+        ids = jnp.asarray([[3, 5, 7, 9], [1, 2, 3, 4]])
+        assert ids.dtype == jnp.int64
+        tokens = jaxkv.generate(model, ids, 3).tokens
+        # One uncached forward over prompt + generated tokens (full attention): each greedy
+        # token is the argmax after the tokens before it.
+        logits, _ = model(jnp.concatenate([ids, tokens.astype(ids.dtype)], axis=1))
+        np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits[:, 3:6]), -1))
         print("ok")
         """
     )

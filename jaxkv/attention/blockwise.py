@@ -345,6 +345,13 @@ def _kernel_call(*operands, sliding_window, logit_softcap, scale, paged=False):
     return call(*operands)
 
 
+def _int32_indices(*indices):
+    """Start indices for ``lax.dynamic_slice``, all int32: it needs one integer type, and
+    with ``jax_enable_x64`` Python ints and loop counters would come as int64 beside an int32
+    layer index."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in indices)
+
+
 def _xla_loop(
     queries, keys, values, layer, q_pos, kv_len, *, sliding_window, logit_softcap, scale, block_size, kv_dtype=None
 ):
@@ -353,7 +360,7 @@ def _xla_loop(
     kv_dtype = keys.dtype if kv_dtype is None else kv_dtype
 
     def read_block(offset, size):
-        start_idx = (layer, 0, 0, offset, 0)
+        start_idx = _int32_indices(layer, 0, 0, offset, 0)
         shape = (1, batch, num_kv_heads, size, head_dim)
         return tuple(from_bits(jax.lax.dynamic_slice(x, start_idx, shape)[0], kv_dtype) for x in (keys, values))
 
@@ -399,7 +406,7 @@ def _blockwise_loop(
     fast_lo = jnp.minimum(fast_lo, fast_hi)
 
     def read(j, size, clamp):
-        first = j * size
+        first = jnp.asarray(j, jnp.int32) * size  # int32 under x64 too (j may be a Python 0)
         # The last block may run past S: slice the final `size` slots instead (a clamped
         # read is harmless here) and mask out the slots an earlier block already covered.
         offset = jnp.minimum(first, num_slots - size) if clamp else first
@@ -525,7 +532,8 @@ def quantized_blockwise_attend(
     residual_used = view.residual_used()  # [B, R]
 
     def read_block(offset, size):
-        codes_at, scales_at = (layer, 0, 0, offset, 0), (layer, 0, 0, offset)
+        codes_at = _int32_indices(layer, 0, 0, offset, 0)
+        scales_at = codes_at[:4]
         codes_shape, scales_shape = (1, batch, num_kv_heads, size, stored), (1, batch, num_kv_heads, size)
         blocks = []
         for codes, scales, exact in (
