@@ -48,8 +48,17 @@ SCRIPT = textwrap.dedent(
     odd = filled.batch_select_indices(jnp.array([2, 0, 1], jnp.int32))  # 3 rows on a 4-way axis
     assert odd.keys.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "model")), 5)
     np.testing.assert_array_equal(odd.seq_lengths(1), [2, 3, 1])
-    donated = jax.jit(lambda c: c.update(k, k, 0)[0], donate_argnums=0)(filled)
+    # Donation of a sharded cache: every shard is updated in place (same device buffers),
+    # the donated input is deleted, and JAX does not warn that a donation went unused.
+    import warnings
+    pointers = {s.device: s.data.unsafe_buffer_pointer() for s in filled.keys.addressable_shards}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        donated = jax.jit(lambda c: c.update(k, k, 0)[0], donate_argnums=0)(filled)
     check(donated, "donated update")
+    assert filled.keys.is_deleted() and filled.values.is_deleted()
+    after = {s.device: s.data.unsafe_buffer_pointer() for s in donated.keys.addressable_shards}
+    assert after == pointers, "a shard of the donated cache was copied"
     np.testing.assert_array_equal(donated.seq_lengths(1), [3, 1, 2, 0])
     print("ok")
     """
