@@ -88,7 +88,8 @@ def test_blockwise_equals_attend_under_jit_with_ragged_rows(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_blockwise_reads_only_filled_blocks(impl):
-    """Garbage (inf) in blocks past every row's fill would poison the result if read."""
+    """inf in the blocks past every row's fill never reaches the result. (Masking alone
+    would also keep it out: which blocks are read is checked by the next test.)"""
     kv_len = np.array([10, 20])
     q, k, v = make_inputs(2, 2, 2, 2, 1, 256, 8, kv_len, nan_fill=False)
     k[:, :, 32:] = np.inf  # past the second block of 16: never visited
@@ -99,6 +100,45 @@ def test_blockwise_reads_only_filled_blocks(impl):
     )
     want = numpy_attention(q, k, v, q_pos, kv_len)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_loop_reads_only_blocks_that_hold_visible_slots(window):
+    """The masked loop body zeroes what it must not see, so numbers alone cannot tell
+    whether a block was read: a reader that records every (offset, size) it is asked for
+    can. Slots past every row's fill, and with a window slots before every query's window,
+    are never read, yet the result equals the NumPy reference."""
+    from jaxkv.attention.blockwise import _blockwise_loop
+
+    slots, block = 256, 16
+    kv_len = np.array([150, 170])
+    q, k, v = make_inputs(4, 2, 4, 2, 1, slots, 8, kv_len)
+    q_pos = (kv_len - 1)[:, None]
+    reads = []
+
+    def read_block(offset, size):
+        jax.debug.callback(lambda o: reads.append((int(o), size)), offset, ordered=True)
+        return (jax.lax.dynamic_slice_in_dim(jnp.asarray(x), offset, size, axis=2) for x in (k, v))
+
+    def run(q):
+        return _blockwise_loop(
+            q, lambda o, n: tuple(read_block(o, n)), slots, 2, jnp.asarray(q_pos, jnp.int32),
+            jnp.asarray(kv_len, jnp.int32), sliding_window=window, logit_softcap=None, scale=8**-0.5,
+            block_size=block,
+        )
+
+    got = jax.jit(run)(jnp.asarray(q))
+    jax.effects_barrier()
+    want = numpy_attention(q, k, v, q_pos, kv_len, window=window)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert reads, "the reader was never called"
+    first = 0 if window is None else int(kv_len.min()) - window  # the earliest visible slot
+    for offset, size in reads:
+        assert offset + size > first and offset < kv_len.max(), (offset, size, reads)
+    # Each visible slot is read once: the reads cover [first block, last filled slot) exactly.
+    covered = sorted(reads)
+    assert covered[0][0] == first // block * block and covered[-1][0] + covered[-1][1] >= kv_len.max()
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(covered, covered[1:])), covered
 
 
 @pytest.mark.parametrize("impl", IMPLS)
