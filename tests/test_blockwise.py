@@ -227,3 +227,50 @@ def test_quarter_block_tail_equals_reference(kv_len, window):
     q_pos = (kv_len - 1)[:, None]
     q, k, v = make_inputs(6, 2, 4, 2, 1, 200, 8, kv_len)
     assert_xla_loop_matches_reference(q, k, v, q_pos, kv_len, window, block_size=64)
+
+
+@pytest.mark.parametrize("kind", ["static", "quantized", "paged", "hybrid"])
+def test_every_kind_reads_only_the_blocks_it_filled(kind, monkeypatch):
+    """A decode step over a 4096-slot layer holding 150 / 170 tokens reads at most the first
+    256 slots, whatever the layout: the dispatch reaches the data-bounded loop for every kind
+    (a recording reader around the loop's block reads; the CPU kernel is turned off so that
+    the XLA loop runs). The result equals the NumPy reference."""
+    import jaxkv.attention.blockwise as bw
+    from jaxkv import HybridCache, PagedCache, StaticCache
+    from jaxkv.attention import attend_view
+    from jaxkv.caches import QuantizedCache
+
+    monkeypatch.setenv("JAXKV_CPU_KERNEL", "0")
+    reads, loop = [], bw._blockwise_loop
+
+    def recording_loop(queries, read_block, *args, **kwargs):
+        def read(offset, size):
+            jax.debug.callback(lambda o: reads.append((int(o), size)), offset, ordered=True)
+            return read_block(offset, size)
+
+        return loop(queries, read, *args, **kwargs)
+
+    monkeypatch.setattr(bw, "_blockwise_loop", recording_loop)
+    capacity, fill = 4096, np.array([150, 170])
+    shape = dict(batch_size=2, num_kv_heads=2, head_dim=8, max_length=capacity)
+    cache, layer = {
+        "static": lambda: (StaticCache.init(num_layers=1, **shape), 0),
+        "quantized": lambda: (QuantizedCache.init(num_layers=1, bits=8, residual_length=170, **shape), 0),
+        "paged": lambda: (PagedCache.init(num_layers=1, page_size=16, **shape), 0),
+        "hybrid": lambda: (HybridCache.init(layer_types=["sliding_attention", "full_attention"], window=8, **shape), 1),
+    }[kind]()
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((2, 2, 170, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    cache, _, _ = cache.update(jnp.asarray(k), jnp.asarray(v), layer, num_new=jnp.asarray(fill, jnp.int32))
+
+    def step(cache, q):
+        return attend_view(q, cache.view(layer), q_positions=cache.seq_lengths(layer)[:, None] - 1)
+
+    got = jax.jit(step)(cache, jnp.asarray(q))
+    jax.effects_barrier()
+    # The quantized residual holds all 170 tokens exactly, so every kind matches tightly.
+    want = numpy_attention(q, k, v, (fill - 1)[:, None], fill)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert reads, "the loop never read a block"
+    assert max(offset + size for offset, size in reads) <= 256, reads
