@@ -183,6 +183,34 @@ def test_decode_step_program_reads_the_cache_in_place():
     assert not [line for line in hlo.splitlines() if " copy(" in line and buffer in line]
 
 
+def test_unchained_layers_are_read_before_the_next_write():
+    """A donated step whose layers do not depend on each other (layer 1's inputs are not
+    layer 0's output) leaves XLA free to order layer 1's in-place write before layer 0's
+    read; it then keeps that read valid by copying the buffers (slower, see the README),
+    never by letting the read see layer 1's tokens: each layer attends over its own
+    tokens exactly."""
+    rng = np.random.default_rng(3)
+    cache = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=16, max_length=64)
+    old = [rng.standard_normal((2, 2, 5, 16)).astype(np.float32) for _ in range(2)]
+    for layer in range(2):
+        cache = cache.update(jnp.asarray(old[layer]), jnp.asarray(old[layer]), layer)[0]
+    new = [rng.standard_normal((2, 2, 1, 16)).astype(np.float32) for _ in range(2)]
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+
+    def step(cache, q, k0, k1):
+        positions = cache.seq_lengths(0)[:, None]
+        out0, cache = cache_attention(q, k0, k0, cache, 0, positions=positions)
+        out1, cache = cache_attention(q, k1, k1, cache, 1, positions=positions)
+        return out0, out1, cache
+
+    out0, out1, cache = jax.jit(step, donate_argnums=0)(cache, jnp.asarray(q), *map(jnp.asarray, new))
+    for layer, out in enumerate((out0, out1)):
+        k = np.concatenate([old[layer], new[layer]], axis=2)
+        want = numpy_attention(q, k, k, np.array([[5], [5]]), np.array([6, 6]))
+        np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=f"layer {layer}")
+    np.testing.assert_array_equal(cache.lengths, [[6, 6], [6, 6]])
+
+
 def test_vmap_and_forward_derivative():
     kv_len = np.array([30, 11])
     q, k, v = make_inputs(4, 2, 4, 2, 1, 32, 16, kv_len)
