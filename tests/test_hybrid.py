@@ -247,6 +247,7 @@ def test_scan_decode_loop_equals_step_loop():
     np.testing.assert_array_equal(positions[-1], last)
 
 
+@pytest.mark.slow
 def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
     """Under jax_enable_x64 (a subprocess): storage dtypes and int32 indices stay as they are, and
     attention over static, paged and quantized caches with int64 positions equals NumPy, and
