@@ -15,14 +15,13 @@ is the comparison).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
-
-import json  # noqa: E402
 
 from eval_embedded import TEMPERATURES, held_out_headers, rates, score, tuning_headers  # noqa: E402
 

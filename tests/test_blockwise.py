@@ -118,11 +118,11 @@ def test_the_loop_reads_only_blocks_that_hold_visible_slots(window):
 
     def read_block(offset, size):
         jax.debug.callback(lambda o: reads.append((int(o), size)), offset, ordered=True)
-        return (jax.lax.dynamic_slice_in_dim(jnp.asarray(x), offset, size, axis=2) for x in (k, v))
+        return tuple(jax.lax.dynamic_slice_in_dim(jnp.asarray(x), offset, size, axis=2) for x in (k, v))
 
     def run(q):
         return _blockwise_loop(
-            q, lambda o, n: tuple(read_block(o, n)), slots, 2, jnp.asarray(q_pos, jnp.int32),
+            q, read_block, slots, 2, jnp.asarray(q_pos, jnp.int32),
             jnp.asarray(kv_len, jnp.int32), sliding_window=window, logit_softcap=None, scale=8**-0.5,
             block_size=block,
         )
