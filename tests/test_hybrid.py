@@ -317,7 +317,7 @@ def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
         tokens = jaxkv.generate(model, ids, 3).tokens
         # One uncached forward over prompt + generated tokens (full attention): each greedy
         # token is the argmax after the tokens before it.
-        logits, _ = model(jnp.concatenate([ids, tokens.astype(ids.dtype)], axis=1))
+        logits = jax.jit(lambda seq: model(seq)[0])(jnp.concatenate([ids, tokens.astype(ids.dtype)], axis=1))
         np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits[:, 3:6]), -1))
         print("ok")
         """
