@@ -1,7 +1,8 @@
 """The ``jaxkv`` command line: stream text from a checkpoint through a jaxkv cache.
 
     jaxkv generate "def fibonacci(" [--model PATH] [--max-new-tokens N] [--temperature T]
-                   [--top-k K] [--top-p P] [--seed S] [--prompt-cache FILE]
+                   [--top-k K] [--top-p P] [--min-p M] [--repetition-penalty R]
+                   [--presence-penalty A] [--frequency-penalty F] [--seed S] [--prompt-cache FILE]
 
 With no ``--model`` it uses the embedded model shipped inside the package (a tiny
 Llama trained by ``scripts/train_embedded.py`` on the Python standard library). Errors
@@ -122,6 +123,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 for no limit (default 40)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass; 1.0 for no limit (default 0.95)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens less likely than M times the most likely one; 0 for no limit (default 0)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="HF's repetition penalty on tokens of the prompt and the output; > 1 discourages repeats, "
+                     "1 is off (default 1)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted from the logit of every token already generated; 0 is off (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted once per time a token was generated; 0 is off (default 0)")
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
     gen.add_argument(
         "--prompt-cache", metavar="FILE", default=None,
@@ -160,9 +170,20 @@ def _sampling_config(args: argparse.Namespace):
         raise CliError(f"--top-p must be in (0, 1] (1 for no limit), got {args.top_p}")
     if args.top_k < 0:
         raise CliError(f"--top-k must be >= 0 (0 for no limit), got {args.top_k}")
-    return SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k or None, top_p=None if args.top_p == 1.0 else args.top_p
-    )
+    options = {"--min-p": args.min_p, "--repetition-penalty": args.repetition_penalty,
+               "--presence-penalty": args.presence_penalty, "--frequency-penalty": args.frequency_penalty}
+    for flag, value in options.items():
+        if not math.isfinite(value):
+            raise CliError(f"{flag} must be a finite number, got {value}")
+    try:
+        return SamplingConfig(
+            temperature=args.temperature, top_k=args.top_k or None, top_p=None if args.top_p == 1.0 else args.top_p,
+            min_p=args.min_p or None, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        )
+    except ValueError as e:  # the config's own message names the field; the flag is its dashed form
+        field = str(e).split(" ", 1)[0]
+        raise CliError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
 
 
 def _free_memory(device) -> tuple[int | None, str]:

@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import KVCache
-from jaxkv.sampling import SamplingConfig, greedy, sample
+from jaxkv.sampling import SamplingConfig, TokenHistory, apply_penalties, greedy, init_history, record_tokens, sample
 
 __all__ = [
     "GenerateOutput",
@@ -80,12 +80,17 @@ def select_token(
     row_keys: jax.Array | None = None,  # [B] keys
     step: jax.Array | int = 0,
     sampling: SamplingConfig = GREEDY,
+    history: TokenHistory | None = None,
 ) -> jax.Array:  # [B] int32
     """Greedy, or one sample per row with key ``fold_in(row_keys[b], step)``.
 
-    A row whose logits hold a NaN (the model's answer to a traced out-of-range id) gets
-    :data:`NAN_TOKEN` (-1), never a valid-looking id.
+    A config with a penalty needs the rows' ``history`` (:func:`jaxkv.sampling.init_history`,
+    then :func:`jaxkv.sampling.record_tokens` after each step); without one it raises
+    rather than skip the penalty. A row whose logits hold a NaN (the model's answer to a
+    traced out-of-range id) gets :data:`NAN_TOKEN` (-1), never a valid-looking id.
     """
+    nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
+    logits = apply_penalties(logits, history, sampling)
     if sampling.is_greedy:
         picked = greedy(logits)
     else:
@@ -94,7 +99,7 @@ def select_token(
             return sample(row_logits[None], jax.random.fold_in(key, step), sampling)[0]
 
         picked = jax.vmap(one)(logits, row_keys)
-    return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), NAN_TOKEN, picked)
+    return jnp.where(nan_rows, NAN_TOKEN, picked)
 
 
 def prefill(
@@ -106,6 +111,7 @@ def prefill(
     row_keys: jax.Array | None = None,
     sampling: SamplingConfig = GREEDY,
     chunk_size: int | None = None,
+    history: TokenHistory | None = None,
 ) -> tuple[jax.Array, KVCache]:  # ([B] int32, cache)
     """Writes the prompts into ``cache`` and returns each row's first generated token.
 
@@ -113,14 +119,15 @@ def prefill(
     neither stored nor attended to. With ``chunk_size`` C < P the prompt enters in chunks of
     C tokens inside a ``lax.fori_loop`` (one traced forward pass), so the activations held at
     once are those of C tokens, not P; the result equals one-shot prefill up to float
-    rounding. C must divide P (bucketed prompt lengths are powers of two).
+    rounding. C must divide P (bucketed prompt lengths are powers of two). ``history``: as
+    in :func:`select_token` (the whole prompt's, for a config with a penalty).
     """
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     if chunk_size is None or chunk_size >= prompt_len:
         # Only each row's last real prompt token needs logits: no [B, P, V] product.
         logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]
-        return select_token(logits[:, 0], row_keys, 0, sampling), cache
+        return select_token(logits[:, 0], row_keys, 0, sampling, history), cache
     if prompt_len % chunk_size:
         raise ValueError(
             f"prefill: chunk_size {chunk_size} must divide the (bucketed) prompt length {prompt_len}; "
@@ -134,7 +141,7 @@ def prefill(
         num_new = jnp.clip(prompt_lengths - start, 0, chunk_size).astype(jnp.int32)
         logits, cache = model(tokens, cache, num_new, logits_at=jnp.maximum(num_new - 1, 0))  # [B, 1, V]
         # A row's first token comes from the last chunk that still held its prompt tokens.
-        picked = select_token(logits[:, 0], row_keys, 0, sampling)
+        picked = select_token(logits[:, 0], row_keys, 0, sampling, history)
         return jnp.where(num_new > 0, picked, first), cache
 
     first = jnp.zeros((batch,), jnp.int32)
@@ -150,25 +157,39 @@ def decode_step(
     step: jax.Array | int = 1,
     sampling: SamplingConfig = GREEDY,
     active: jax.Array | None = None,  # [B] bool
+    history: TokenHistory | None = None,
 ) -> tuple[jax.Array, KVCache]:  # ([B] int32, cache)
-    """Feeds one token per row and picks the next; inactive rows write nothing."""
+    """Feeds one token per row and picks the next; inactive rows write nothing.
+
+    ``history`` as in :func:`select_token`; it must already hold ``tokens`` (recorded when
+    they were picked)."""
     model = nnx.merge(graphdef, state)
     num_new = None if active is None else active.astype(jnp.int32)
     logits, cache = model(tokens[:, None], cache, num_new)  # [B, 1, V]
-    return select_token(logits[:, 0], row_keys, step, sampling), cache
+    return select_token(logits[:, 0], row_keys, step, sampling, history), cache
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:  # [B] bool
     return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
 
-def _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id):
+def _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id, history):
     """One step of the decode loop shared by ``generate`` and ``stream`` (so both give the
     same tokens): rows already done get ``pad_id`` and write nothing; returns
-    ``(tokens [B], cache, done [B])`` with ``done`` updated by the new tokens."""
-    nxt, cache = decode_step(graphdef, state, last, cache, row_keys, step, sampling, active=~done)
+    ``(tokens [B], cache, done [B], history)`` with ``done`` and ``history`` updated by the
+    new tokens."""
+    nxt, cache = decode_step(graphdef, state, last, cache, row_keys, step, sampling, active=~done, history=history)
     nxt = jnp.where(done, pad_id, nxt)
-    return nxt, cache, done | _is_stop(nxt, stop_ids)
+    return nxt, cache, done | _is_stop(nxt, stop_ids), record_tokens(history, nxt, ~done)
+
+
+def _start(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size, history_ids,
+           history_lengths):
+    """Prefill plus the history the penalties need (None without one), the first token in it."""
+    vocab = model_vocab_size(nnx.merge(graphdef, state)) if sampling.needs_history else 0
+    history = init_history(sampling, history_ids, history_lengths, vocab)
+    first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size, history)
+    return first, cache, record_tokens(history, first)
 
 
 def init_model_cache(
@@ -204,26 +225,27 @@ def _generate(
     model = nnx.merge(graphdef, state)
     batch = input_ids.shape[0]
     cache = init_model_cache(model, batch, capacity, cache_dtype, cache_kind)
-    first, cache = prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
+    first, cache, history = _start(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size,
+                                   input_ids, prompt_lengths)
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, stop_ids)
     lengths = jnp.ones((batch,), jnp.int32)
 
     def cond(carry):
-        step, _, _, done, _, _ = carry
+        step, _, _, done, _, _, _ = carry
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, last, cache, done, tokens, lengths = carry
-        nxt, cache, now_done = _next_tokens(
-            graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id
+        step, last, cache, done, tokens, lengths, history = carry
+        nxt, cache, now_done, history = _next_tokens(
+            graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids, pad_id, history
         )
         tokens = jax.lax.dynamic_update_index_in_dim(tokens, nxt, step, axis=1)
         lengths = lengths + (~done).astype(jnp.int32)
-        return step + 1, nxt, cache, now_done, tokens, lengths
+        return step + 1, nxt, cache, now_done, tokens, lengths, history
 
-    carry = (jnp.int32(1), first, cache, done, tokens, lengths)
-    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), first, cache, done, tokens, lengths, history)
+    _, _, _, _, tokens, lengths, _ = jax.lax.while_loop(cond, body, carry)
     return tokens, lengths
 
 
@@ -288,6 +310,9 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
     batch, prompt_len = input_ids.shape
     if not sampling.is_greedy and key is None:
         raise ValueError("sampling needs a PRNG key: pass key=jax.random.key(seed)")
+    if sampling.needs_history and model_vocab_size(model) is None:
+        raise ValueError(f"{who}: the sampling config's penalties need the vocabulary size, and the model has no "
+                         "config.vocab_size")
     row_keys = None
     if key is not None:
         key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
@@ -413,34 +438,38 @@ def _stream_programs(graphdef: nnx.GraphDef, treedef: Any):
     ``nnx.State`` on every call would cost about a millisecond of Python per call.
     """
 
-    def run_prefill(leaves, input_ids, prompt_lengths, cache, row_keys, *, sampling, chunk_size):
+    def run_prefill(leaves, input_ids, prompt_lengths, cache, row_keys, history_ids, history_lengths, *, sampling,
+                    chunk_size):
         state = jax.tree.unflatten(treedef, leaves)
-        return prefill(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size)
+        return _start(graphdef, state, input_ids, prompt_lengths, cache, row_keys, sampling, chunk_size, history_ids,
+                      history_lengths)
 
-    def run_decode(leaves, last, cache, row_keys, step, done, stop_ids, pad_id, limit, *, sampling, num_steps):
+    def run_decode(leaves, last, cache, row_keys, step, done, stop_ids, pad_id, limit, history, *, sampling,
+                   num_steps):
         """Up to ``num_steps`` steps of ``generate``'s loop from ``step``; ends early at step
         ``limit`` or once every row is done. Returns ``(tokens [num_steps, B], count, last,
-        cache, done)``: rows ``tokens[:count]`` are the new steps."""
+        cache, done, history)``: rows ``tokens[:count]`` are the new steps."""
         state = jax.tree.unflatten(treedef, leaves)
         tokens = jnp.full((num_steps, last.shape[0]), pad_id, jnp.int32)
 
         def cond(carry):
-            i, step, _, _, done, _ = carry
+            i, step, _, _, done, _, _ = carry
             return (i < num_steps) & (step < limit) & ~jnp.all(done)
 
         def body(carry):
-            i, step, last, cache, done, tokens = carry
-            nxt, cache, done = _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done, stop_ids,
-                                            pad_id)
-            return i + 1, step + 1, nxt, cache, done, jax.lax.dynamic_update_index_in_dim(tokens, nxt, i, axis=0)
+            i, step, last, cache, done, tokens, history = carry
+            nxt, cache, done, history = _next_tokens(graphdef, state, last, cache, row_keys, step, sampling, done,
+                                                     stop_ids, pad_id, history)
+            tokens = jax.lax.dynamic_update_index_in_dim(tokens, nxt, i, axis=0)
+            return i + 1, step + 1, nxt, cache, done, tokens, history
 
-        count, _, last, cache, done, tokens = jax.lax.while_loop(
-            cond, body, (jnp.int32(0), step, last, cache, done, tokens)
+        count, _, last, cache, done, tokens, history = jax.lax.while_loop(
+            cond, body, (jnp.int32(0), step, last, cache, done, tokens, history)
         )
-        return tokens, count, last, cache, done
+        return tokens, count, last, cache, done, history
 
     jit_prefill = jax.jit(run_prefill, static_argnames=("sampling", "chunk_size"), donate_argnames="cache")
-    jit_decode = jax.jit(run_decode, static_argnames=("sampling", "num_steps"), donate_argnames="cache")
+    jit_decode = jax.jit(run_decode, static_argnames=("sampling", "num_steps"), donate_argnames=("cache", "history"))
     return jit_prefill, jit_decode
 
 
@@ -472,6 +501,8 @@ class TokenStream:
         self._leaves, treedef = jax.tree.flatten(state)
         self._prefill, self._decode = _stream_programs(graphdef, treedef)
         self._args = (ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk)
+        # The prompt the penalties count (PromptCacheStream feeds only the part its file lacks).
+        self._history_prompt = (ids, lengths)
         self.tokens_per_call = tokens_per_call
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
@@ -490,7 +521,8 @@ class TokenStream:
             # Dropping the previous iteration's cache first keeps one cache alive, not two.
             self.cache = None
             cache = self._empty_cache()
-        last, cache = self._prefill(self._leaves, ids, lengths, cache, row_keys, sampling=sampling, chunk_size=chunk)
+        last, cache, history = self._prefill(self._leaves, ids, lengths, cache, row_keys, *self._history_prompt,
+                                             sampling=sampling, chunk_size=chunk)
         self.cache = cache
         first = np.array(last)
         done = np.isin(first, stop)
@@ -499,8 +531,8 @@ class TokenStream:
         step, limit, pad = 1, jnp.int32(max_new_tokens), jnp.int32(pad_id)
         device_done = jnp.asarray(done)
         while step < max_new_tokens and not done.all():
-            tokens, count, last, cache, device_done = self._decode(
-                self._leaves, last, cache, row_keys, jnp.int32(step), device_done, stop_ids, pad, limit,
+            tokens, count, last, cache, device_done, history = self._decode(
+                self._leaves, last, cache, row_keys, jnp.int32(step), device_done, stop_ids, pad, limit, history,
                 sampling=sampling, num_steps=self.tokens_per_call,
             )
             self.cache = cache

@@ -811,6 +811,11 @@ class PromptCacheStream:
             )
         self._save = self.restored < n - 1
         self._inner = stream(model, ids[:, self.restored:], max_new_tokens, **stream_kwargs)
+        # Penalties count the whole prompt, the restored part too (padded to a bucket: one program per bucket).
+        width = bucket_length(n)
+        self._inner._history_prompt = (
+            jnp.asarray(np.pad(ids.astype(np.int32), ((0, 0), (0, width - n)))), jnp.asarray([n], jnp.int32)
+        )
         # The stream's first iteration prefills into the cache it holds: this one.
         self._inner.cache = cache
         self._used = False

@@ -1,18 +1,38 @@
-"""Turning logits into tokens: greedy, temperature, top-k and top-p (nucleus) sampling.
+"""Turning logits into tokens: greedy, temperature, top-k, top-p (nucleus) and min-p
+sampling, and penalties on tokens already seen.
 
 Pure functions over ``[B, V]`` logits, usable inside jit. Filters replace the logits of
 excluded tokens with ``-inf``; ``sample`` then draws from the softmax of what is left.
-Order of application (the usual one): temperature, then top-k, then top-p.
+Order of application (HF transformers' order): the penalties on the raw logits
+(:func:`apply_penalties`, greedy too), then temperature, top-k, top-p, min-p.
+
+The penalties need each row's history, a :class:`TokenHistory` (which tokens its prompt
+holds and how often each token was generated), carried through the decode loop:
+:func:`init_history` from the prompts, :func:`record_tokens` after every step.
+``jaxkv.generate``, ``jaxkv.stream`` and ``sample_n`` do this themselves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SamplingConfig", "greedy", "sample", "top_k_filter", "top_p_filter"]
+__all__ = [
+    "SamplingConfig",
+    "TokenHistory",
+    "apply_penalties",
+    "greedy",
+    "init_history",
+    "min_p_filter",
+    "record_tokens",
+    "sample",
+    "top_k_filter",
+    "top_p_filter",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,11 +44,28 @@ class SamplingConfig:
       top_k: keep the k most likely tokens (None or 0: no limit).
       top_p: keep the smallest set of most likely tokens whose mass reaches p (None or 1.0:
         no limit).
+      min_p: keep the tokens whose probability is at least ``min_p`` times the most likely
+        token's (after temperature, top-k and top-p; HF's ``min_p``); None or 0: no limit.
+      repetition_penalty: HF's ``repetition_penalty`` (CTRL's rule): the logit of every
+        token in the row's prompt or generated so far is divided by it when positive and
+        multiplied by it otherwise; > 1 discourages repeats. 1.0: off. Applies to greedy
+        decoding too.
+      presence_penalty: subtracted from the logit of every token generated at least once
+        (OpenAI's / vLLM's; the prompt does not count). 0.0: off.
+      frequency_penalty: subtracted once per time a token was generated (OpenAI's / vLLM's;
+        the prompt does not count). 0.0: off.
+
+    The penalties act on the raw logits before the temperature, repetition first (HF's and
+    vLLM's order). Padding past a row's prompt length is never counted as seen.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would make every logit 0 or NaN
@@ -37,10 +74,98 @@ class SamplingConfig:
             raise ValueError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise ValueError(f"min_p must be in [0, 1] (0 or None for no limit), got {self.min_p!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0 (1.0 is off, > 1 discourages repeats), "
+                f"got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number (0.0 is off), got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a penalty is on, so that picking a token needs the row's :class:`TokenHistory`."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class TokenHistory(NamedTuple):
+    """What the penalties of :class:`SamplingConfig` look at, per row (a pytree).
+
+    Attributes:
+      in_prompt: bool [B, V], whether token ``v`` occurs in row ``b``'s prompt.
+      counts: int32 [B, V], how many times row ``b`` has generated token ``v``.
+    """
+
+    in_prompt: jax.Array
+    counts: jax.Array
+
+
+def init_history(
+    config: SamplingConfig, input_ids: jax.Array, prompt_lengths: jax.Array, vocab_size: int
+) -> TokenHistory | None:
+    """The history of rows that hold ``input_ids[b, :prompt_lengths[b]]`` and generated nothing yet.
+
+    None when ``config`` has no penalty (nothing to carry). Padding (positions at or past a
+    row's length) and ids outside ``[0, vocab_size)`` are not recorded.
+    """
+    if not config.needs_history:
+        return None
+    batch, width = input_ids.shape
+    valid = jnp.arange(width)[None, :] < jnp.asarray(prompt_lengths)[:, None]
+    ids = jnp.where(valid & (input_ids >= 0), input_ids, vocab_size)  # vocab_size: dropped below
+    rows = jnp.arange(batch)[:, None]
+    in_prompt = jnp.zeros((batch, vocab_size), bool).at[rows, ids].set(True, mode="drop")
+    return TokenHistory(in_prompt, jnp.zeros((batch, vocab_size), jnp.int32))
+
+
+def record_tokens(history: TokenHistory | None, tokens: jax.Array, active: jax.Array | None = None) -> TokenHistory | None:
+    """``history`` after each row generated ``tokens`` [B] (rows where ``active`` [B] is False
+    generated nothing). Negative ids (:data:`jaxkv.generation.NAN_TOKEN`) and ids past the
+    vocabulary are not recorded."""
+    if history is None:
+        return None
+    vocab = history.counts.shape[-1]
+    keep = tokens >= 0 if active is None else active & (tokens >= 0)
+    ids = jnp.where(keep, tokens, vocab)  # an index past the end: dropped (a negative one would wrap)
+    counts = history.counts.at[jnp.arange(tokens.shape[0]), ids].add(1, mode="drop")
+    return history._replace(counts=counts)
+
+
+def apply_penalties(logits: jax.Array, history: TokenHistory | None, config: SamplingConfig) -> jax.Array:
+    """``logits`` [B, V] with ``config``'s penalties applied (float32); unchanged without one.
+
+    Raises:
+      ValueError: ``config`` has a penalty but ``history`` is None (the penalty would be
+        silently skipped).
+    """
+    if not config.needs_history:
+        return logits
+    if history is None:
+        raise ValueError(
+            "this SamplingConfig has a repetition, presence or frequency penalty, which needs each row's "
+            "TokenHistory: pass history=init_history(config, input_ids, prompt_lengths, vocab_size) and update it "
+            "with record_tokens after every step"
+        )
+    if history.counts.shape != logits.shape:
+        raise ValueError(f"the history is for [B, V] = {list(history.counts.shape)}, the logits are {list(logits.shape)}")
+    x = logits.astype(jnp.float32)
+    generated = history.counts > 0
+    if config.repetition_penalty != 1.0:
+        seen = history.in_prompt | generated
+        x = jnp.where(seen, jnp.where(x > 0, x / config.repetition_penalty, x * config.repetition_penalty), x)
+    if config.frequency_penalty != 0.0:
+        x = x - config.frequency_penalty * history.counts.astype(jnp.float32)
+    if config.presence_penalty != 0.0:
+        x = x - config.presence_penalty * generated.astype(jnp.float32)
+    return x
 
 
 def greedy(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
@@ -97,13 +222,29 @@ def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
     return _keep_only(logits, order, _top_p_keep_sorted(jnp.take_along_axis(logits, order, axis=-1), p))
 
 
+def min_p_filter(logits: jax.Array, min_p: float | None) -> jax.Array:
+    """Keeps the tokens whose probability is at least ``min_p`` times the row's largest.
+
+    In logit space: ``logit >= max_logit + log(min_p)`` (the softmax's normaliser cancels),
+    so the most likely token is always kept. Renormalising after top-k or top-p does not
+    change the ratio, so it keeps what HF's ``MinPLogitsWarper`` keeps after them.
+    """
+    if not min_p:
+        return logits
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.where(logits >= top + math.log(min_p), logits, -jnp.inf)
+
+
 def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
     """Picks one token per row of ``logits`` [B, V] according to ``config``; int32 [B].
 
     With ``top_k`` the draw is over the k survivors only (``jax.lax.top_k`` gives them
     sorted, so top-p needs no sort over the vocabulary): the same distribution as
-    ``softmax(top_p_filter(top_k_filter(logits / temperature)))``, at the cost of k
-    rather than V per row after the top-k.
+    ``softmax(min_p_filter(top_p_filter(top_k_filter(logits / temperature))))``, at the
+    cost of k rather than V per row after the top-k.
+
+    The penalties are not applied here (they need the rows' history): pass the logits
+    through :func:`apply_penalties` first (``jaxkv.generation.select_token`` does).
     """
     if config.is_greedy:
         return greedy(logits)
@@ -113,8 +254,10 @@ def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Arr
         survivors, ids = jax.lax.top_k(logits, config.top_k)  # [B, k], most likely first
         if top_p is not None:
             survivors = jnp.where(_top_p_keep_sorted(survivors, top_p), survivors, -jnp.inf)
+        survivors = min_p_filter(survivors, config.min_p)
         picked = jax.random.categorical(key, survivors, axis=-1)
         return jnp.take_along_axis(ids, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
+    logits = min_p_filter(logits, config.min_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -223,6 +223,14 @@ def main(argv=None):
         "each seed's under by_seed, the first seed's texts under scored",
     )
     p.add_argument("--json", default=None, help="write the results (and every scored text) here")
+    p.add_argument("--prompt-set", choices=("eval", "tune"), default="eval",
+                   help="eval: the held-out stdlib headers the goal is scored on (default); tune: 200 headers of "
+                   "packages no training run read (tuning_headers), to choose decoding settings on")
+    p.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    p.add_argument("--min-p", type=float, default=None, help="jaxkv's min-p filter (default: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's repetition penalty (default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     args = p.parse_args(argv)
 
     import jax
@@ -237,6 +245,12 @@ def main(argv=None):
     loaded = from_pretrained(path)
     tok = loaded.tokenizer
     val_files, headers = held_out_headers(args.prompts)
+    sources = dict(val_files)
+    if args.prompt_set == "tune":
+        files, headers = tuning_headers(200 if args.prompts == 100 else args.prompts)
+        sources = dict(files)
+    penalties = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     encoded = [tok.encode(header).ids for _, _, header in headers]
     width = max(map(len, encoded))
     ids = np.zeros((len(encoded), width), np.int32)
@@ -250,15 +264,15 @@ def main(argv=None):
     val = validation_loss(loaded, val_files)
     print(f"validation loss {val:.4f} nats/token ({time.perf_counter() - t0:.1f} s)")
 
-    results = {"model": str(Path(path).name), "prompts": len(headers), "seeds": args.seeds,
-               "max_new_tokens": args.max_new_tokens,
-               "val_loss": val, "reference": reference_scores(headers, dict(val_files), tok, args.max_new_tokens),
+    results = {"model": str(Path(path).name), "prompt_set": args.prompt_set, "prompts": len(headers),
+               "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "sampling": penalties,
+               "val_loss": val, "reference": reference_scores(headers, sources, tok, args.max_new_tokens),
                "runs": []}
     ref = results["reference"]
     print(f"the held-out code itself, cut to the same budget: parse {ref['parse']:.0%}  finished "
           f"{ref['finished']:.0%}  finished and parse {ref['finished_and_parse']:.0%} (the metric's ceiling)")
-    for temperature in TEMPERATURES:
-        sampling = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95)
+    for temperature in args.temperatures:
+        sampling = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95, **penalties)
         t0 = time.perf_counter()
         by_seed = []
         for seed in range(args.seed, args.seed + args.seeds):
@@ -288,9 +302,11 @@ def main(argv=None):
         print(f"temperature {temperature}: parse {run['parse']:.1%} (one seed: {min(per_seed):.0%}-{max(per_seed):.0%})  "
               f"finished {run['finished']:.1%}  finished and parse {run['finished_and_parse']:.1%}  "
               f"({args.seeds} x {len(headers)}, {seconds:.1f} s)")
-    example = next((s for s in results["runs"][1]["scored"] if s["parses"] and s["finished"]), None)
+    middle = results["runs"][len(results["runs"]) // 2]
+    example = next((s for s in middle["scored"] if s["parses"] and s["finished"]), None)
     if example:
-        print(f"--- an example (temperature {TEMPERATURES[1]}, {example['file']}:{example['line']}):\n{example['text']}")
+        print(f"--- an example (temperature {middle['temperature']}, {example['file']}:{example['line']}):\n"
+              f"{example['text']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.json}")

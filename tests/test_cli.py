@@ -54,6 +54,11 @@ def test_generate_streams_text_and_prints_summary(tmp_path):
         (["--top-k", "-1"], "--top-k must be >= 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0"),
+        (["--repetition-penalty", "nan"], "--repetition-penalty must be a finite number"),
+        (["--presence-penalty", "inf"], "--presence-penalty must be a finite number"),
+        (["--frequency-penalty", "nan"], "--frequency-penalty must be a finite number"),
     ],
 )
 def test_bad_input_is_one_clean_line(args, match, capsys):
@@ -62,6 +67,29 @@ def test_bad_input_is_one_clean_line(args, match, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxkv: error:") and match in lines[0], captured.err
     assert captured.out == ""
+
+
+def test_sampling_flags_reach_the_sampler(monkeypatch, capsys):
+    """--min-p and the penalties: the text equals jaxkv.stream's with the same config and key."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.generation import stream
+    from jaxkv.models import from_pretrained
+    from jaxkv.sampling import SamplingConfig
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")  # in this process: leave JAX's settings alone
+    prompt, flags = "def add(a, b):", ["--min-p", "0.05", "--repetition-penalty", "1.3", "--presence-penalty", "0.2",
+                                       "--frequency-penalty", "0.1", "--seed", "5", "--max-new-tokens", "12"]
+    assert main(["generate", prompt, *flags]) == 0
+    printed = capsys.readouterr().out.rsplit("\n[jaxkv]", 1)[0]
+    loaded = from_pretrained(embedded_model_path())
+    config = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.3,
+                            presence_penalty=0.2, frequency_penalty=0.1)
+    ids = jnp.asarray([loaded.tokenizer.encode(prompt).ids], jnp.int32)
+    tokens = [int(t[0]) for t in stream(loaded.model, ids, 12, sampling=config, key=jax.random.key(5), eos_token_id=0)]
+    tokens = tokens[: tokens.index(0)] if 0 in tokens else tokens
+    assert printed == prompt + loaded.tokenizer.decode(tokens)
 
 
 @pytest.fixture

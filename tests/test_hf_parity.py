@@ -101,6 +101,23 @@ def test_greedy_tokens_match_transformers_generate(family):
 
 
 @pytest.mark.slow
+def test_repetition_penalty_and_min_p_match_transformers_generate(family):
+    """Greedy decoding with HF's repetition penalty (the prompt counts) equals transformers' generate."""
+    name, hf, loaded, _ = family
+    if name != "llama":
+        pytest.skip("the penalty is the sampler's, not the family's: one family checks it")
+    from jaxkv.sampling import SamplingConfig
+
+    ids = _prompts(3, 9, seed=4)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), max_new_tokens=24, do_sample=False, repetition_penalty=1.3).numpy()[:, 9:]
+        plain = hf.generate(torch.tensor(ids), max_new_tokens=24, do_sample=False).numpy()[:, 9:]
+    assert (ref != plain).any(), "the penalty changed nothing in transformers either: pick another seed"
+    got = np.asarray(generate(loaded.model, ids, 24, sampling=SamplingConfig(repetition_penalty=1.3)).tokens)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.slow
 def test_ragged_batch_matches_each_prompt_alone_in_transformers(family):
     _, hf, loaded, _ = family
     lengths = np.array([9, 3, 6])

@@ -57,7 +57,13 @@ def test_sampling_frequencies_follow_filtered_distribution():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p")],
+    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
+     (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"), (dict(min_p=float("nan")), "min_p"),
+     (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
+     (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+     (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+     (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite number"),
+     (dict(frequency_penalty="0.5"), "frequency_penalty")],
 )
 def test_bad_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -81,8 +87,9 @@ def test_greedy_equals_numpy_argmax_with_ties_infinities_and_nan():
         np.testing.assert_array_equal(np.asarray(jax.jit(greedy)(logits)), want)
 
 
-def _numpy_sampling_distribution(logits, temperature, top_k, top_p):
-    """The distribution ``sample`` draws from, written from the definitions in NumPy."""
+def _numpy_sampling_distribution(logits, temperature, top_k, top_p, min_p=None):
+    """The distribution ``sample`` draws from, written from the definitions in NumPy
+    (min-p: HF's rule, a probability below min_p times the largest one is dropped)."""
     x = np.asarray(logits, np.float64) / temperature
     order = np.argsort(-x, kind="stable")  # most likely first, lower ids first on ties
     kept = order[:top_k] if top_k else order
@@ -90,6 +97,10 @@ def _numpy_sampling_distribution(logits, temperature, top_k, top_p):
     probs /= probs.sum()
     if top_p is not None:
         kept = kept[np.cumsum(probs) - probs < top_p]
+    if min_p:
+        probs = np.exp(x[kept] - x[kept].max())
+        probs /= probs.sum()
+        kept = kept[probs >= min_p * probs.max()]
     out = np.zeros_like(x)
     out[kept] = np.exp(x[kept] - x[kept].max())
     return out / out.sum()
@@ -104,14 +115,19 @@ def test_top_k_keeps_exactly_k_lower_ids_first_on_ties():
     assert set(np.unique(np.asarray(tokens))) == {1, 2}
 
 
-@pytest.mark.parametrize("top_k, top_p", [(12, 0.7), (12, None), (5, 0.999), (None, 0.6)])
-def test_sampling_frequencies_equal_numpy_reference(top_k, top_p):
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(12, 0.7, None), (12, None, None), (5, 0.999, None), (None, 0.6, None), (12, 0.9, 0.3), (None, None, 0.05)],
+)
+def test_sampling_frequencies_equal_numpy_reference(top_k, top_p, min_p):
     # sample() draws over the top-k survivors only (no sort over V); its frequencies must be
     # those of the filtered full-vocabulary distribution, computed here independently.
     n, vocab, temperature = 20000, 64, 0.9
     row = np.asarray(jax.random.normal(jax.random.key(7), (vocab,)) * 2.0)
-    want = _numpy_sampling_distribution(row, temperature, top_k, top_p)
-    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    want = _numpy_sampling_distribution(row, temperature, top_k, top_p, min_p)
+    if min_p:  # the case must remove tokens that top-k / top-p alone keep
+        assert (want > 0).sum() < (_numpy_sampling_distribution(row, temperature, top_k, top_p) > 0).sum()
+    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = jnp.broadcast_to(jnp.asarray(row, jnp.float32), (n, vocab))
     tokens = np.asarray(jax.jit(lambda l, k: sample(l, k, config))(logits, jax.random.key(1)))
     counts = np.bincount(tokens, minlength=vocab) / n

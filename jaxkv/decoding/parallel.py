@@ -24,7 +24,7 @@ from flax import nnx
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
 from jaxkv.generation import check_prompts, init_model_cache
-from jaxkv.sampling import SamplingConfig, sample
+from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens, sample
 
 __all__ = ["sample_keys", "sample_n"]
 
@@ -36,7 +36,9 @@ def sample_keys(key: jax.Array, batch_size: int, num_return_sequences: int) -> j
     return jax.random.split(key, batch_size * num_return_sequences).reshape(batch_size, num_return_sequences)
 
 
-def _sample_rows(logits, keys, step, config):  # [R, V], [R] keys, scalar -> [R]
+def _sample_rows(logits, keys, step, config, history):  # [R, V], [R] keys, scalar -> [R]
+    logits = apply_penalties(logits, history, config)
+
     def one(row_logits, key):
         return sample(row_logits[None], jax.random.fold_in(key, step), config)[0]
 
@@ -56,20 +58,23 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
     logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), n, axis=0)  # [B*n, V]
     cache = cache.batch_repeat_interleave(n)
     keys = keys.reshape(-1)
-    first = _sample_rows(logits, keys, 0, config)
+    history = init_history(config, jnp.repeat(input_ids, n, axis=0), jnp.repeat(prompt_lengths, n), logits.shape[-1])
+    first = _sample_rows(logits, keys, 0, config, history)
+    history = record_tokens(history, first)
     done = jnp.zeros_like(first, bool) if eos_token_id is None else first == eos_token_id
 
     def step(carry, t):
-        tokens, done, cache = carry
+        tokens, done, cache, history = carry
         logits, cache = forward(graphdef, state, tokens[:, None], cache)
-        nxt = _sample_rows(logits[:, 0], keys, t, config)
+        nxt = _sample_rows(logits[:, 0], keys, t, config, history)
         nxt = jnp.where(done, pad_token_id, nxt)
+        history = record_tokens(history, nxt, ~done)
         if eos_token_id is not None:
             done = done | (nxt == eos_token_id)
-        return (nxt, done, cache), nxt
+        return (nxt, done, cache, history), nxt
 
     steps = jnp.arange(1, max_new_tokens, dtype=jnp.int32)
-    _, rest = jax.lax.scan(step, (first, done, cache), steps)  # [N-1, B*n]
+    _, rest = jax.lax.scan(step, (first, done, cache, history), steps)  # [N-1, B*n]
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     return tokens.reshape(batch, n, max_new_tokens)
 
@@ -98,7 +103,9 @@ def sample_n(
         num_return_sequences: n >= 1 samples per prompt.
         key: one PRNG key; the per-sample keys are ``sample_keys(key, B, n)``.
         keys: or the per-sample keys themselves, [B, n] (exactly one of key/keys).
-        config: temperature / top-k / top-p (:class:`jaxkv.sampling.SamplingConfig`).
+        config: temperature / top-k / top-p / min-p and the penalties
+            (:class:`jaxkv.sampling.SamplingConfig`); each sample's penalties count its
+            prompt and its own tokens.
         prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
         eos_token_id: if set, a sample stops at its EOS (kept) and is padded after it.
         pad_token_id: the padding token after an EOS.
@@ -125,6 +132,8 @@ def sample_n(
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     n_tokens = check_positive_int(max_new_tokens, "max_new_tokens", who)
     n = check_positive_int(num_return_sequences, "num_return_sequences", who)
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"{who}: config must be a jaxkv.sampling.SamplingConfig, got {type(config).__name__}")
     batch = input_ids.shape[0]
     if (key is None) == (keys is None):
         raise ValueError(f"{who}: pass exactly one of key (one PRNG key) or keys ([batch, n] keys)")

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
+from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at, reject_penalties
 from jaxkv.generation import check_prompts, init_model_cache
 from jaxkv.sampling import SamplingConfig, greedy
 
@@ -259,6 +259,10 @@ def speculative_generate(
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(target))
     n = check_positive_int(max_new_tokens, "max_new_tokens", who)
     k = check_positive_int(num_draft_tokens, "num_draft_tokens", who)
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"{who}: config must be a jaxkv.sampling.SamplingConfig, got {type(config).__name__}")
+    # A penalised target distribution changes with every accepted token: not supported.
+    reject_penalties(config, who)
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(
             f"{who}: target and draft vocabularies differ ({target.config.vocab_size} vs "
