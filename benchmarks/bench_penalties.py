@@ -53,11 +53,17 @@ def cell(hf, model, batch: int, prompt: int, steps: int, repeats: int, vocab: in
     def jaxkv_run(config):
         return lambda: np.asarray(generate(model, ids, steps, sampling=config).tokens)
 
+    # No stop token on either side, so both run all N steps and emit the same tokens (with
+    # min_new_tokens instead, transformers would forbid its EOS id where jaxkv may pick it).
+    hf.generation_config.eos_token_id = None
+    prompt_ids = torch.tensor(ids, dtype=torch.long)
+    mask = torch.ones_like(prompt_ids)
+
     def hf_run(**kwargs):
         def run():
             with torch.inference_mode():
-                return hf.generate(torch.tensor(ids, dtype=torch.long), max_new_tokens=steps, min_new_tokens=steps,
-                                   do_sample=False, pad_token_id=0, **kwargs).numpy()[:, prompt:]
+                return hf.generate(prompt_ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                   pad_token_id=0, **kwargs).numpy()[:, prompt:]
         return run
 
     row = {"batch": batch, "prompt": prompt, "steps": steps}

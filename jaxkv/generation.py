@@ -368,7 +368,9 @@ def generate(
         padding): row ``b`` holds its prompt in ``input_ids[b, :prompt_lengths[b]]``.
       max_new_tokens: N >= 1, tokens to generate per row at most.
       prompt_lengths: [B] real prompt length of each row, in ``[1, P]``; default P.
-      sampling: :class:`jaxkv.sampling.SamplingConfig`; default greedy.
+      sampling: :class:`jaxkv.sampling.SamplingConfig`; default greedy. With a penalty,
+        each row's history (its prompt, not the padding after it, and its tokens so far)
+        rides in the loop: two [B, V] arrays.
       key: a PRNG key (``jax.random.key``), or B keys, one per row. Needed to sample.
       eos_token_id: stop token(s). A row that emits one is finished: it is frozen (its
         cache gets no more writes) and its remaining tokens are ``pad_token_id``.

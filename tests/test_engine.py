@@ -67,6 +67,69 @@ def test_sampled_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(model):
     assert len({t for toks in together for t in toks}) > N  # it did sample (not one greedy path)
 
 
+PENALTIES = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3)
+
+
+def test_penalties_equal_generate_through_prefix_hits_and_preemption(model):
+    """Greedy with penalties: each request equals jaxkv.generate with the same penalties
+    alone; a preempted request resumes with its own history, a plain request sharing the
+    step is untouched."""
+    import numpy as np
+
+    from jaxkv.generation import generate
+    from jaxkv.sampling import SamplingConfig
+
+    penalised = SamplingConfig(**PENALTIES)
+    want = [np.asarray(generate(model, np.asarray([p]), N, sampling=penalised).tokens)[0].tolist()
+            if i != 2 else None for i, p in enumerate(PROMPTS)]
+    plain = [np.asarray(generate(model, np.asarray([p]), N).tokens)[0].tolist() for p in PROMPTS]
+    want[2] = plain[2]
+    assert any(w != q for w, q in zip(want, plain)), "the penalties changed nothing: the test would not see them"
+    reqs = [EngineRequest(p, N, arrival=(6 if i == 3 else 0), **({} if i == 2 else PENALTIES))
+            for i, p in enumerate(PROMPTS)]
+    eng = engine(model, num_pages=7)  # request 1 is preempted after 2 tokens: it must resume with their counts
+    out = eng.run(reqs)
+    assert out[1].preemptions == 1 and out[3].cached_tokens > 0
+    assert [list(r.tokens) for r in out] == want
+    assert {"step3x1+history", "step3x4+history"} & set(eng.compile_counts)
+
+
+def test_sampled_penalties_and_min_p_do_not_depend_on_the_batch(model):
+    reqs = [EngineRequest(p, N, temperature=0.9, min_p=0.05, seed=20 + i, **PENALTIES) for i, p in enumerate(PROMPTS)]
+    together = [r.tokens for r in engine(model).run(reqs)]
+    cold = engine(model, prefix_cache=False)
+    assert together == [r.tokens for r in cold.run(reqs)]
+    assert together[:2] == [cold.run([r])[0].tokens for r in reqs[:2]]
+
+
+def test_per_row_min_p_and_penalties_follow_their_definitions():
+    """Each row's own min-p and penalties (the engine's per-row vectors), against NumPy."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv.decoding.engine import _per_row_penalties, _sample_rows
+    from jaxkv.sampling import TokenHistory
+
+    rows, vocab = 4000, 6
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = jnp.asarray(np.tile(np.log(probs), (rows, 1)), jnp.float32)
+    min_p = np.where(np.arange(rows) % 2 == 0, 0.3, 0.0).astype(np.float32)  # even rows: keep p >= 0.12
+    picked = np.asarray(_sample_rows(logits, jnp.ones(rows), jnp.ones(rows), jnp.asarray(min_p),
+                                     jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32)))
+    assert set(picked[0::2]) == {0, 1, 2} and set(picked[1::2]) == set(range(vocab))
+    in_prompt = np.zeros((2, vocab), bool)
+    in_prompt[0, [1, 4]] = True
+    counts = np.zeros((2, vocab), np.int32)
+    counts[0, 2], counts[1, 3] = 2, 1
+    x = np.array([[1.0, 2.0, -1.0, 0.5, -2.0, 3.0], [1.0, 2.0, -1.0, 0.5, -2.0, 3.0]], np.float32)
+    got = np.asarray(_per_row_penalties(jnp.asarray(x), TokenHistory(jnp.asarray(in_prompt), jnp.asarray(counts)),
+                                        jnp.asarray([2.0, 1.0]), jnp.asarray([0.5, 0.0]), jnp.asarray([0.25, 0.0])))
+    want = x.copy()
+    want[0, 1], want[0, 4] = 2.0 / 2, -2.0 * 2  # in the prompt: repetition only
+    want[0, 2] = -1.0 * 2 - 0.25 * 2 - 0.5  # generated twice: all three
+    np.testing.assert_allclose(got, want)  # row 1 (1.0 / 0.0 / 0.0) unchanged despite its history
+
+
 def test_stop_tokens_and_streaming(model, reference):
     stop = reference[0][2]
     reqs = [EngineRequest(PROMPTS[0], N, stop_token_ids=[stop], id="a"), EngineRequest(PROMPTS[2], N, id="b")]
@@ -87,6 +150,10 @@ def test_bad_requests_are_refused(model):
         (EngineRequest([1] * 20, 10), "needs 29 cache slots"),
         (EngineRequest([1], 2, temperature=float("nan")), "temperature"),
         (EngineRequest([1], 2, top_p=0.0), "top_p"),
+        (EngineRequest([1], 2, min_p=1.5), "request 0 min_p must be in"),
+        (EngineRequest([1], 2, repetition_penalty=0.0), "request 0 repetition_penalty must be finite and > 0"),
+        (EngineRequest([1], 2, presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+        (EngineRequest([1], 2, frequency_penalty=float("inf")), "frequency_penalty must be a finite number"),
         (EngineRequest([V], 2), r"\[0, 64\)"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv.decoding import sample_n, speculative_generate
@@ -31,6 +31,7 @@ def numpy_penalised(logits, prompt, generated, config):
     return x
 
 
+@settings(max_examples=40)
 @given(
     seed=st.integers(0, 2**16),
     rep=st.sampled_from([1.0, 0.7, 1.3, 2.0]),

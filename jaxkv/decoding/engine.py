@@ -14,10 +14,15 @@ to R rows, so a few programs serve every mix):
   token (``num_new`` per row: chunked prefill rides along with decoding);
 * **decode step** (nobody prefilling): ``[N, 1]``.
 
-Both sample inside the program, per row: greedy at temperature 0, else temperature and
-top-p with the key ``fold_in(PRNGKey(seed), token_index)``: a request's tokens depend on
-its prompt, its settings and its seed only, never on what else shares the batch, its
-row, or whether it was preempted.
+Both sample inside the program, per row: greedy at temperature 0, else temperature,
+top-p and min-p with the key ``fold_in(PRNGKey(seed), token_index)``: a request's tokens
+depend on its prompt, its settings and its seed only, never on what else shares the batch,
+its row, or whether it was preempted. A request's repetition, presence and frequency
+penalties (``jaxkv.sampling.SamplingConfig``'s) act on its logits first, greedy or not:
+the engine keeps a ``[R, V]`` history per row on the device (``TokenHistory``), filled at
+admission from the request's prompt and the tokens it has generated (so a preempted request
+resumes with its own counts) and updated inside the step; steps whose rows have no penalty
+run a program without it.
 
 **Admission** takes waiting requests in arrival order while rows and pages last (a
 request needs the pages of its uncached prompt plus one). **Prefix cache**: every full
@@ -55,6 +60,7 @@ from flax import nnx
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
 from jaxkv.decoding._common import check_positive_int, check_request, forward
+from jaxkv.sampling import SamplingConfig, TokenHistory
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
 
@@ -68,6 +74,11 @@ class EngineRequest:
         max_new_tokens: the most tokens to generate (>= 1).
         temperature: 0 for greedy (lowest id on ties), else the sampling temperature.
         top_p: nucleus mass in (0, 1], or None (no filter).
+        min_p: keep tokens at least ``min_p`` times as likely as the most likely one (after
+            top-p), or None / 0 (no filter).
+        repetition_penalty, presence_penalty, frequency_penalty: as in
+            :class:`jaxkv.sampling.SamplingConfig` (1.0, 0.0, 0.0: off); they apply to
+            greedy requests too.
         seed: sampling seed; token ``i`` uses ``fold_in(PRNGKey(seed), i)``.
         stop_token_ids: tokens that end the request (kept in its output).
         arrival: the engine step at which the request becomes visible.
@@ -78,6 +89,10 @@ class EngineRequest:
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     arrival: int = 0
@@ -174,10 +189,22 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _sample_rows(logits, temperature, top_p, seeds, index):  # [R, V], [R] each -> int32 [R]
+def _per_row_penalties(logits, history, rep, pres, freq):  # [R, V], TokenHistory of [R, V], [R] each
+    """SamplingConfig's penalties with per-row strengths (1.0 / 0.0 / 0.0 leave a row exactly as it was)."""
+    generated = history.counts > 0
+    seen = history.in_prompt | generated
+    r = rep[:, None]
+    x = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return x - freq[:, None] * history.counts.astype(jnp.float32) - pres[:, None] * generated.astype(jnp.float32)
+
+
+def _sample_rows(logits, temperature, top_p, min_p, seeds, index):  # [R, V], [R] each -> int32 [R]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     filtered = _per_row_top_p(scaled, top_p)
+    # min-p after top-p (HF's order); log(0) = -inf keeps every token of a row without it.
+    top = jnp.max(filtered, axis=-1, keepdims=True)
+    filtered = jnp.where(filtered >= top + jnp.log(min_p)[:, None], filtered, -jnp.inf)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, index)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
@@ -188,16 +215,40 @@ def _sample_rows(logits, temperature, top_p, seeds, index):  # [R, V], [R] each 
 _TRACES: collections.Counter = collections.Counter()
 
 
-@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
-def _step_program(graphdef, state, cache, rows, tokens, num_new, temperature, top_p, seeds, index):
+@partial(jax.jit, static_argnames="graphdef", donate_argnames=("cache", "history"))
+def _step_program(graphdef, state, cache, rows, tokens, num_new, sampling, history=None, emits=None):
     # Only the busy rows run: `rows` int32[N] (padding >= R) pick them out of the cache
     # without moving page data (take_rows / merge_rows share the pool).
-    _TRACES[f"step{tokens.shape[0]}x{tokens.shape[1]}"] += 1
+    _TRACES[f"step{tokens.shape[0]}x{tokens.shape[1]}" + ("+history" if history is not None else "")] += 1
+    temperature, top_p, min_p, seeds, index, rep, pres, freq = sampling
     sub = cache.take_rows(rows)
     logits, sub = forward(graphdef, state, tokens, sub, num_new)
     cache = cache.merge_rows(rows, sub)
     last = jnp.take_along_axis(logits, jnp.clip(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return _sample_rows(last, temperature, top_p, seeds, index), cache.free_pages, cache
+    if history is not None:
+        mine = TokenHistory(*(jnp.take(h, rows, axis=0, mode="fill", fill_value=0) for h in history))
+        last = _per_row_penalties(last, mine, rep, pres, freq)
+    picked = _sample_rows(last, temperature, top_p, min_p, seeds, index)
+    if history is not None:
+        # The rows that emitted a token this step (not a prefill chunk short of its prompt's end).
+        counts = mine.counts.at[jnp.arange(rows.shape[0]), picked].add(emits.astype(jnp.int32))
+        history = history._replace(counts=history.counts.at[rows].set(counts, mode="drop"))
+    return picked, cache.free_pages, cache, history
+
+
+@partial(jax.jit, donate_argnames="history")
+def _history_admit_program(history, rows, prompts, prompt_lengths, generated, generated_lengths):
+    # rows int32[N] (>= R: unused); prompts / generated int32[N, L] with their lengths [N].
+    width = prompts.shape[1]
+    valid = jnp.arange(width)[None, :]
+    vocab = history.counts.shape[1]
+    n = jnp.arange(rows.shape[0])[:, None]
+    in_prompt = jnp.zeros((rows.shape[0], vocab), bool).at[
+        n, jnp.where(valid < prompt_lengths[:, None], prompts, vocab)].set(True, mode="drop")
+    counts = jnp.zeros((rows.shape[0], vocab), jnp.int32).at[
+        n, jnp.where(valid < generated_lengths[:, None], generated, vocab)].add(1, mode="drop")
+    return TokenHistory(history.in_prompt.at[rows].set(in_prompt, mode="drop"),
+                        history.counts.at[rows].set(counts, mode="drop"))
 
 
 @partial(jax.jit, donate_argnames="cache")
@@ -272,6 +323,7 @@ class PagedEngine:
         self._step = partial(_step_program, self._graphdef)
         self._admit = _admit_program
         self._pin = _pin_program
+        self._history: TokenHistory | None = None  # [R, V] per row, made when a request first has a penalty
         self.stats: dict[str, float] = {}
 
     @property
@@ -293,6 +345,11 @@ class PagedEngine:
         p = request.top_p
         if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
             raise ValueError(f"{who}: request {index} top_p must be in (0, 1] or None, got {p!r}")
+        try:  # the penalties and min-p: SamplingConfig's own checks and messages
+            SamplingConfig(min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+                           presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{who}: request {index} {e}") from None
         check_token_ids(list(request.stop_token_ids), self._vocab_size, who, name=f"requests[{index}].stop_token_ids")
 
     # ---- the loop
@@ -404,6 +461,7 @@ class PagedEngine:
             waiting.extendleft(reversed(deferred))
             if admitted:
                 self._cache = self._admit(self._cache, *self._admission_arrays(admitted))
+                self._admit_histories([(row, rows[row].request, generated[rows[row].index]) for row, _, _ in admitted])
                 for row, _, n in admitted:
                     row_len[row] = n
                 free = self._cache.free_pages
@@ -452,8 +510,13 @@ class PagedEngine:
             num_new = np.zeros((n,), np.int32)
             temperature = np.zeros((n,), np.float32)
             top_p = np.ones((n,), np.float32)
+            min_p = np.zeros((n,), np.float32)
             seeds = np.zeros((n,), np.uint32)
             index = np.zeros((n,), np.int32)
+            rep = np.ones((n,), np.float32)
+            pres = np.zeros((n,), np.float32)
+            freq = np.zeros((n,), np.float32)
+            emits = np.zeros((n,), bool)
             slot_of = {}
             for j, row in enumerate(busy):
                 k = take[row]
@@ -468,11 +531,20 @@ class PagedEngine:
                 num_new[j] = k
                 temperature[j] = req.temperature
                 top_p[j] = 1.0 if req.top_p is None else req.top_p
+                min_p[j] = req.min_p or 0.0
                 seeds[j] = np.uint32(req.seed % 2**32)
                 index[j] = len(generated[run.index])
-            sampled, free_now, self._cache = self._step(
-                self._state, self._cache, row_ids, tokens, num_new, temperature, top_p, seeds, index
-            )
+                rep[j], pres[j], freq[j] = req.repetition_penalty, req.presence_penalty, req.frequency_penalty
+                emits[j] = run.written + k >= len(run.prompt)
+            sampling = (temperature, top_p, min_p, seeds, index, rep, pres, freq)
+            if any(_has_penalty(rows[row].request) for row in busy):
+                sampled, free_now, self._cache, self._history = self._step(
+                    self._state, self._cache, row_ids, tokens, num_new, sampling, self._history, emits
+                )
+            else:
+                sampled, free_now, self._cache, _ = self._step(
+                    self._state, self._cache, row_ids, tokens, num_new, sampling
+                )
             sampled = np.asarray(sampled)
             free = int(free_now)
             counters["forward_tokens"] += int(num_new.sum())
@@ -535,6 +607,27 @@ class PagedEngine:
         if pin:
             self._cache = self._pin(self._cache, self._pad_pages(pin), delta=1)
 
+    def _admit_histories(self, admitted: list[tuple[int, EngineRequest, list[int]]]) -> None:
+        """Fills the history rows of admitted requests that have a penalty: their prompt, and
+        as generated the tokens they produced before a preemption (fed again as prompt)."""
+        admitted = [item for item in admitted if _has_penalty(item[1])]
+        if not admitted:
+            return
+        n, width = self.max_rows, self.max_length
+        if self._history is None:
+            self._history = TokenHistory(jnp.zeros((n, self._vocab_size), bool),
+                                         jnp.zeros((n, self._vocab_size), jnp.int32))
+        rows = np.full((n,), n, np.int32)
+        prompts, generated = np.zeros((n, width), np.int32), np.zeros((n, width), np.int32)
+        prompt_lengths, generated_lengths = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
+        for j, (row, request, tokens) in enumerate(admitted):
+            rows[j] = row
+            prompt_lengths[j], generated_lengths[j] = len(request.prompt), len(tokens)
+            prompts[j, : len(request.prompt)] = request.prompt
+            generated[j, : len(tokens)] = tokens
+        self._history = _history_admit_program(self._history, rows, prompts, prompt_lengths, generated,
+                                               generated_lengths)
+
     def _pad_pages(self, pages: list[int]) -> jax.Array:
         # A few fixed sizes so pinning compiles a handful of programs, not one per count.
         size = max(8, 1 << (len(pages) - 1).bit_length())
@@ -549,6 +642,10 @@ class PagedEngine:
             rows[j], num_tokens[j] = row, count
             pages[j, : len(hit)] = hit
         return jnp.asarray(rows), jnp.asarray(pages), jnp.asarray(num_tokens)
+
+
+def _has_penalty(request: EngineRequest) -> bool:
+    return request.repetition_penalty != 1.0 or request.presence_penalty != 0.0 or request.frequency_penalty != 0.0
 
 
 @dataclasses.dataclass(frozen=True)
