@@ -101,7 +101,7 @@ def test_greedy_tokens_match_transformers_generate(family):
 
 
 @pytest.mark.slow
-def test_repetition_penalty_and_min_p_match_transformers_generate(family):
+def test_repetition_penalty_matches_transformers_generate(family):
     """Greedy decoding with HF's repetition penalty (the prompt counts) equals transformers' generate."""
     name, hf, loaded, _ = family
     if name != "llama":
