@@ -167,19 +167,6 @@ def test_sampled_penalties_stream_equals_generate_and_prompt_cache(model, tmp_pa
     np.testing.assert_array_equal(np.concatenate(list(again)), want)
 
 
-def test_prompt_cache_counts_the_restored_tokens_greedy(model, tmp_path):
-    """Greedy, so the restored part's effect is deterministic: it must match a fresh generate."""
-    from jaxkv.persist import PromptCacheStream
-
-    ids = _prompts(2)[:1, : LENGTHS[0]]
-    path = tmp_path / "p.jaxkv"
-    list(PromptCacheStream(path, model, ids, NEW, sampling=PENALISED))
-    restored = PromptCacheStream(path, model, ids, NEW, sampling=PENALISED)
-    assert restored.restored == LENGTHS[0] - 1
-    want = np.asarray(generate(model, ids, NEW, sampling=PENALISED).tokens)[0]
-    np.testing.assert_array_equal(np.concatenate(list(restored)), want)
-
-
 def test_sample_n_greedy_with_penalties_equals_generate(model):
     ids = _prompts(3)
     config = SamplingConfig(temperature=1.0, top_k=1, repetition_penalty=1.6, presence_penalty=0.4,
