@@ -48,6 +48,19 @@ def test_greedy_equals_target_greedy(target, reference, draft_kind, k):
         assert len(set(accepted.tolist())) > 1 and 0 < out.acceptance_rate < 1
 
 
+def test_greedy_with_penalties_equals_penalised_generate(target, reference):
+    """Every draft token and every verified position is penalised with its own prefix's history."""
+    from jaxkv.generation import generate
+
+    config = SamplingConfig(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
+    want = np.asarray(generate(target, IDS, N, prompt_lengths=LENGTHS, sampling=config).tokens)
+    assert (want != reference).any(), "the penalties changed nothing: the test would not see them"
+    out = speculative_generate(target, perturbed(target, seed=1, noise=0.1), IDS, N, num_draft_tokens=3,
+                               prompt_lengths=LENGTHS, config=config)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    assert 0 < out.acceptance_rate < 1
+
+
 def test_errors(target):
     other = make_model(vocab_size=32, num_layers=1)
     with pytest.raises(ValueError, match="vocabularies differ"):
@@ -65,10 +78,30 @@ SAMPLES = 24_000
 PROMPT = [1, 2, 3]
 
 
+def _penalised(logits, seqs, config):
+    """SamplingConfig's penalties in NumPy: at position t, the history is the prompt and the
+    generated tokens up to t (HF's repetition rule over both, presence / frequency over the
+    generated ones)."""
+    x = np.array(logits, np.float64)
+    p = len(PROMPT)
+    for s, seq in enumerate(seqs):
+        for t in range(p - 1, len(seq)):
+            generated = list(seq[p : t + 1])
+            for v in set(PROMPT) | set(generated):
+                r = config.repetition_penalty
+                x[s, t, v] = x[s, t, v] / r if x[s, t, v] > 0 else x[s, t, v] * r
+            for v in set(generated):
+                x[s, t, v] -= config.frequency_penalty * generated.count(v) + config.presence_penalty
+    return jnp.asarray(x, jnp.float32)
+
+
 def _exact_joint(model, config, length):
     """Exact probability of every continuation of PROMPT of ``length`` tokens: [V] * length."""
     seqs = np.array([PROMPT + list(s) for s in np.ndindex(*(SMALL_V,) * length)], np.int32)
-    probs = np.asarray(jax.nn.softmax(filtered_logits(full_logits(model, jnp.asarray(seqs)), config), -1), np.float64)
+    logits = full_logits(model, jnp.asarray(seqs))
+    if config.needs_history:
+        logits = _penalised(logits, seqs, config)
+    probs = np.asarray(jax.nn.softmax(filtered_logits(logits, config), -1), np.float64)
     p = len(PROMPT)
     joint = np.ones(len(seqs))
     for i in range(length):
@@ -77,7 +110,9 @@ def _exact_joint(model, config, length):
 
 
 @pytest.mark.slow
-def test_sampling_preserves_the_target_distribution():
+@pytest.mark.parametrize("penalties", [{}, dict(repetition_penalty=1.8, presence_penalty=0.4, frequency_penalty=0.3)],
+                         ids=["plain", "penalised"])
+def test_sampling_preserves_the_target_distribution(penalties):
     """Tokens 2..4 of many independent rows vs the target's exact distribution.
 
     Token 1 comes from the target's prefill; with k = 2 the first verification round gives
@@ -89,9 +124,12 @@ def test_sampling_preserves_the_target_distribution():
     it is chi-square with (outcomes - 1) degrees of freedom (every expected count is well
     above 5 at this sample size), and the test fails only beyond its 1 - 1e-6 quantile.
     The draft's own distribution sits orders of magnitude above that bound, so a rule that
-    simply kept the drafts would be caught.
+    simply kept the drafts would be caught. With penalties, the target distribution is the
+    penalised one (NumPy, ``_penalised``), and the unpenalised one is also far outside the
+    bound, so a history that reached neither the drafts nor the verified positions would
+    be caught too.
     """
-    config, k, n = SamplingConfig(temperature=1.0, top_k=3), 2, 4
+    config, k, n = SamplingConfig(temperature=1.0, top_k=3, **penalties), 2, 4
     target = make_model(seed=0, vocab_size=SMALL_V, num_layers=1, scale=0.5)
     draft = make_model(seed=3, vocab_size=SMALL_V, num_layers=1, scale=0.5)
     ids = np.tile(np.array(PROMPT, np.int32), (SAMPLES, 1))
@@ -114,4 +152,8 @@ def test_sampling_preserves_the_target_distribution():
     draft_chi2 = (((draft_expected - expected) ** 2)[both] / expected[both]).sum()
     assert draft_chi2 > 10 * bound
     assert 0.1 < out.acceptance_rate < 0.95
+    if penalties:
+        plain = _exact_joint(target, SamplingConfig(temperature=1.0, top_k=3), n).sum(axis=0) * SAMPLES
+        both = support & (plain > 0)
+        assert (((plain - expected) ** 2)[both] / expected[both]).sum() > 10 * bound
     print(f"chi2 {chi2:.1f} (bound {bound:.1f}, {dof} dof); draft's distribution would give {draft_chi2:.0f}")

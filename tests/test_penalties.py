@@ -12,7 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.decoding import sample_n, speculative_generate
+from jaxkv.decoding import sample_n
 from jaxkv.generation import NAN_TOKEN, generate, select_token, stream
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, min_p_filter, record_tokens
@@ -182,7 +182,5 @@ def test_a_penalty_is_never_skipped_silently(model):
     logits = jnp.zeros((2, VOCAB))
     with pytest.raises(ValueError, match="needs each row's TokenHistory"):
         select_token(logits, None, 0, PENALISED)
-    with pytest.raises(ValueError, match="speculative_generate: repetition_penalty, presence_penalty"):
-        speculative_generate(model, model, _prompts()[:, :3], 4, config=PENALISED)
-    # (min-p needs no history: speculative decoding takes it through filtered_logits, which
-    # test_sampling.py checks against NumPy.)
+    # (Every decoding algorithm that samples carries the history: speculative decoding's
+    # penalties are checked in test_decoding_speculative.py.)

@@ -39,8 +39,8 @@ def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # 
     """Temperature, then top-k, top-p, min-p: the distribution ``sampling.sample`` draws from.
 
     Excluded tokens get ``-inf``; ``softmax`` of the result is the sampling distribution.
-    Greedy configs are not a distribution; callers handle them separately. Penalties need
-    a history: callers that cannot carry one reject them (:func:`reject_penalties`).
+    Greedy configs are not a distribution; callers handle them separately. Penalties come
+    first, with the rows' history (:func:`jaxkv.sampling.apply_penalties`).
     """
     shape = logits.shape
     flat = logits.reshape(-1, shape[-1]).astype(jnp.float32) / config.temperature
@@ -49,16 +49,6 @@ def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # 
     if config.top_p is not None:
         flat = top_p_filter(flat, config.top_p)
     return min_p_filter(flat, config.min_p).reshape(shape)
-
-
-def reject_penalties(config: SamplingConfig, who: str, instead: str = "jaxkv.generate or jaxkv.stream") -> None:
-    """``ValueError`` when ``config`` has a penalty ``who`` does not apply (never skip it silently)."""
-    if config.needs_history:
-        raise ValueError(
-            f"{who}: repetition_penalty, presence_penalty and frequency_penalty are not supported here (got "
-            f"{config.repetition_penalty}, {config.presence_penalty}, {config.frequency_penalty}); use {instead}, "
-            "or leave them at 1.0 / 0.0 / 0.0"
-        )
 
 
 def free_slots(cache: Any) -> np.ndarray | None:

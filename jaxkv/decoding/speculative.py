@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at, reject_penalties
+from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
 from jaxkv.generation import check_prompts, init_model_cache
-from jaxkv.sampling import SamplingConfig, greedy
+from jaxkv.sampling import SamplingConfig, apply_penalties, greedy, init_history, record_tokens
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
 
@@ -104,6 +104,9 @@ def _speculative(
     t_logits, t_cache = forward(target_graphdef, target_state, input_ids, t_cache, prompt_lengths)
     _, d_cache = forward(draft_graphdef, draft_state, input_ids, d_cache, prompt_lengths)
     t_logits = logits_at(t_logits, prompt_lengths - 1)
+    # Penalties (None without one): the history holds the prompt and every emitted token.
+    history = init_history(config, input_ids, prompt_lengths, t_logits.shape[-1])
+    t_logits = apply_penalties(t_logits, history, config)
     key, first_key = jax.random.split(key)
     if greedy_mode:
         first = greedy(t_logits)
@@ -123,6 +126,7 @@ def _speculative(
         accepted=jnp.zeros((batch,), jnp.int32),
         rounds=jnp.zeros((batch,), jnp.int32),
         key=key,
+        history=record_tokens(history, first),
     )
 
     def cond(c):
@@ -139,8 +143,13 @@ def _speculative(
         num_new = jnp.where(active, 1 + c["backlog"].astype(jnp.int32), 0)
         d_logits, d_cache = forward(draft_graphdef, draft_state, two, c["d_cache"], num_new)
         d_logits = logits_at(d_logits, num_new - 1)
+        # histories[j]: the emitted tokens, then d_1..d_j. The draft's d_{j+1} and the
+        # target's token after d_j are both penalised with histories[j], so p and q are the
+        # penalised conditionals given the same prefix and the acceptance rule stays exact.
+        histories = [c["history"]]
         proposals, q_logits = [], []
         for i in range(k):
+            d_logits = apply_penalties(d_logits, histories[i], config)
             if greedy_mode:
                 token = greedy(d_logits)
             else:
@@ -148,6 +157,7 @@ def _speculative(
                 q_logits.append(q)
                 token = jax.random.categorical(draft_keys[i], q, axis=-1).astype(jnp.int32)
             proposals.append(token)
+            histories.append(record_tokens(histories[i], token, active))
             if i + 1 < k:  # d_k is verified but never fed to the draft
                 d_logits, d_cache = forward(
                     draft_graphdef, draft_state, token[:, None], d_cache, active.astype(jnp.int32)
@@ -160,6 +170,8 @@ def _speculative(
         p_logits, t_cache = forward(
             target_graphdef, target_state, verify, c["t_cache"], jnp.where(active, k + 1, 0)
         )  # [B, k + 1, V]
+        if config.needs_history:
+            p_logits = jnp.stack([apply_penalties(p_logits[:, j], histories[j], config) for j in range(k + 1)], axis=1)
 
         # 3. Accept a prefix, then one token from the target.
         if greedy_mode:
@@ -188,6 +200,9 @@ def _speculative(
         write = active[:, None] & (j[None, :] <= num_accepted[:, None])
         slots = jnp.where(write, c["count"][:, None] + j[None, :], n + k + 1)  # out of range: dropped
         out = c["out"].at[rows[:, None], slots].set(emitted, mode="drop")
+        history = c["history"]
+        for i in range(k + 1):
+            history = record_tokens(history, emitted[:, i], write[:, i])
 
         # 4. Roll back the rejected tokens, per row, without moving data.
         keep = jnp.where(active, t_len + num_accepted + 1, t_len)
@@ -205,6 +220,7 @@ def _speculative(
             accepted=c["accepted"] + jnp.where(active, num_accepted, 0),
             rounds=c["rounds"] + active.astype(jnp.int32),
             key=key,
+            history=history,
         )
 
     c = jax.lax.while_loop(cond, body, carry)
@@ -234,6 +250,8 @@ def speculative_generate(
         num_draft_tokens: k >= 1 tokens proposed per round.
         config: greedy by default (output == the target's greedy output); with a
             temperature, samples from the target's distribution (see module docstring).
+            Min-p and the penalties apply to draft and target alike, each position
+            penalised with the history of its own prefix.
         key: PRNG key, required when sampling.
         prompt_lengths: [B] real prompt lengths, in ``[1, P]``; default P.
         cache_dtype: key/value storage dtype of both caches; default each model's dtype.
@@ -261,8 +279,6 @@ def speculative_generate(
     k = check_positive_int(num_draft_tokens, "num_draft_tokens", who)
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"{who}: config must be a jaxkv.sampling.SamplingConfig, got {type(config).__name__}")
-    # A penalised target distribution changes with every accepted token: not supported.
-    reject_penalties(config, who)
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(
             f"{who}: target and draft vocabularies differ ({target.config.vocab_size} vs "
