@@ -149,6 +149,18 @@ def test_matches_transformers_generate(hf_pair, early_stopping, length_penalty):
         assert (want[r, n:] == eos).all() and (n == HF_N or want[r, n - 1] == eos)
 
 
+def test_repetition_penalty_matches_transformers_generate(hf_pair):
+    hf, model, ids, eos = hf_pair
+    want = _hf_beams(hf, ids, eos, repetition_penalty=1.3)
+    assert want.shape != _hf_beams(hf, ids, eos).shape or (want != _hf_beams(hf, ids, eos)).any(), (
+        "the penalty changed nothing in transformers: the test would not see it")
+    out = beam_search(model, ids, HF_N, num_beams=HF_BEAMS, num_return_sequences=HF_BEAMS, eos_token_id=eos,
+                      repetition_penalty=1.3)
+    got = np.asarray(out.sequences).reshape(2 * HF_BEAMS, HF_N)
+    np.testing.assert_array_equal(got[:, : want.shape[1]], want)
+    assert np.asarray(out.lengths).max() == want.shape[1]
+
+
 def test_chosen_eos_ends_hypotheses_early(hf_pair):
     """Guards the parity test: with this EOS, some hypotheses are shorter than N."""
     _, model, ids, eos = hf_pair

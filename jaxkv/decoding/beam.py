@@ -48,6 +48,7 @@ from jaxkv.decoding._common import (
     logits_at,
 )
 from jaxkv.generation import check_prompts, init_model_cache
+from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens
 
 __all__ = ["BeamSearchOutput", "beam_search"]
 
@@ -82,11 +83,12 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:  # [B, K, ...], [B, M] -
     jax.jit,
     static_argnames=(
         "graphdef", "max_new_tokens", "num_beams", "eos_token_id", "pad_token_id", "cache_dtype", "cache_kind",
+        "penalties",
     ),
 )
 def _beam_search(
     graphdef, state, input_ids, prompt_lengths, length_penalty, early_stopping, *, max_new_tokens, num_beams,
-    eos_token_id, pad_token_id, cache_dtype, cache_kind,
+    eos_token_id, pad_token_id, cache_dtype, cache_kind, penalties=SamplingConfig(),
 ):
     # length_penalty (float32) and early_stopping (int32: 0 False, 1 True, 2 "never") are
     # traced, so changing them reuses the compiled search.
@@ -101,6 +103,9 @@ def _beam_search(
     cache = cache.batch_repeat_interleave(k)
     vocab = logits.shape[-1]
     row_offset = (jnp.arange(batch, dtype=jnp.int32) * k)[:, None]
+    # HF applies its processors (repetition_penalty) to each beam's log-probabilities, with
+    # the beam's prompt and tokens as its history; None without a penalty.
+    history = init_history(penalties, jnp.repeat(input_ids, k, axis=0), jnp.repeat(prompt_lengths, k), vocab)
 
     def penalized(scores, length):
         return scores / (length.astype(jnp.float32) ** length_penalty)
@@ -117,6 +122,7 @@ def _beam_search(
         finished_lengths=jnp.zeros((batch, k), jnp.int32),
         is_finished=jnp.zeros((batch, k), bool),
         can_improve=jnp.ones((batch,), bool),
+        history=history,
     )
 
     def cond(c):
@@ -124,7 +130,8 @@ def _beam_search(
 
     def body(c):
         t = c["step"]
-        log_probs = jax.nn.log_softmax(c["logits"], axis=-1).reshape(batch, k, vocab)
+        log_probs = apply_penalties(jax.nn.log_softmax(c["logits"], axis=-1), c["history"], penalties)
+        log_probs = log_probs.reshape(batch, k, vocab)
         log_probs = (log_probs + c["running_scores"][:, :, None]).reshape(batch, k * vocab)
         top_scores, top_idx = jax.lax.top_k(log_probs, keep)  # [B, 2K], sorted
         top_beam = (top_idx // vocab).astype(jnp.int32)
@@ -159,6 +166,10 @@ def _beam_search(
         is_finished = _gather(jnp.concatenate([c["is_finished"], just_finished], axis=1), best)
 
         cache = c["cache"].reorder_cache((row_offset + source_beam).reshape(-1))
+        history = c["history"]
+        if history is not None:  # each new beam inherits its parent's history, plus its new token
+            parent = (row_offset + source_beam).reshape(-1)
+            history = record_tokens(jax.tree.map(lambda h: h[parent], history), running[:, :, t].reshape(-1))
 
         # Can the best running beam still beat the worst finished hypothesis?
         best_length = jnp.where((early_stopping == _STOP_NEVER) & (length_penalty > 0.0), n, length)
@@ -181,6 +192,7 @@ def _beam_search(
             finished_lengths=finished_lengths,
             is_finished=is_finished,
             can_improve=can_improve,
+            history=history,
         )
 
     c = jax.lax.while_loop(cond, body, carry)
@@ -195,6 +207,7 @@ def beam_search(
     num_beams: int,
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
+    repetition_penalty: float = 1.0,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     num_return_sequences: int = 1,
@@ -216,6 +229,8 @@ def beam_search(
         length_penalty: exponent on the generated length dividing a finished score
             (> 0 favours longer hypotheses).
         early_stopping: ``True``, ``False`` or ``"never"``, as in transformers.
+        repetition_penalty: transformers' (1.0: off), applied as it applies it in beam
+            search: to each beam's log-probabilities, over the beam's prompt and tokens.
         eos_token_id: token that finishes a hypothesis, or None (every hypothesis runs N).
         pad_token_id: fills sequences past their length; default ``eos_token_id`` or 0.
         num_return_sequences: R <= K best hypotheses returned per prompt.
@@ -254,6 +269,7 @@ def beam_search(
     pad = check_token_id(pad_token_id, "pad_token_id", vocab, who)
     if pad is None:
         pad = 0 if eos is None else eos
+    penalties = SamplingConfig(repetition_penalty=repetition_penalty)  # its checks; static: 1.0 compiles no history
     graphdef, state = nnx.split(model)
     sequences, lengths, scores = _beam_search(
         graphdef,
@@ -268,5 +284,6 @@ def beam_search(
         pad_token_id=pad,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
         cache_kind=cache_kind,
+        penalties=penalties,
     )
     return BeamSearchOutput(sequences[:, :r], lengths[:, :r], scores[:, :r])
