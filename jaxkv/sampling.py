@@ -104,8 +104,8 @@ class TokenHistory(NamedTuple):
       counts: int32 [B, V], how many times row ``b`` has generated token ``v``.
     """
 
-    in_prompt: jax.Array
-    counts: jax.Array
+    in_prompt: jax.Array  # [B, V] bool
+    counts: jax.Array  # [B, V] int32
 
 
 def init_history(

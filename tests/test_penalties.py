@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv.decoding import sample_n
-from jaxkv.generation import NAN_TOKEN, generate, select_token, stream
+from jaxkv.generation import NAN_TOKEN, _generate, generate, select_token, stream
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, min_p_filter, record_tokens
 
@@ -146,6 +146,11 @@ def test_greedy_generate_with_penalties_equals_uncached_numpy_loop(model):
             seqs[b, n + len(out[b])] = token = int(np.argmax(row))
             out[b].append(token)
     np.testing.assert_array_equal(got, np.asarray(out))
+    # Other prompts of the same shape: no new program (the penalty strengths are static, the history is data).
+    compiled = _generate._cache_size()
+    again = generate(model, ids[::-1].copy(), NEW, prompt_lengths=np.asarray(LENGTHS[::-1]), sampling=PENALISED)
+    assert _generate._cache_size() == compiled
+    np.testing.assert_array_equal(np.asarray(again.tokens)[::-1], got)
 
 
 def test_sampled_penalties_stream_equals_generate_and_prompt_cache(model, tmp_path):
