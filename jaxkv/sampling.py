@@ -9,7 +9,9 @@ Order of application (HF transformers' order): the penalties on the raw logits
 The penalties need each row's history, a :class:`TokenHistory` (which tokens its prompt
 holds and how often each token was generated), carried through the decode loop:
 :func:`init_history` from the prompts, :func:`record_tokens` after every step.
-``jaxkv.generate``, ``jaxkv.stream`` and ``sample_n`` do this themselves.
+``jaxkv.generate``, ``jaxkv.stream``, ``PromptCacheStream``, ``sample_n``,
+``speculative_generate``, ``beam_search`` (``repetition_penalty``) and ``PagedEngine`` do
+this themselves.
 """
 
 from __future__ import annotations

@@ -350,6 +350,9 @@ class PagedEngine:
                            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{who}: request {index} {e}") from None
+        if _has_penalty(request) and self._vocab_size is None:
+            raise ValueError(f"{who}: request {index} has a penalty, which needs the vocabulary size; the model has "
+                             "no config.vocab_size")
         check_token_ids(list(request.stop_token_ids), self._vocab_size, who, name=f"requests[{index}].stop_token_ids")
 
     # ---- the loop
