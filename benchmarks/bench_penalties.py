@@ -8,6 +8,8 @@ every call runs all N steps) is timed, best of R, with:
 * ``rep``: ``repetition_penalty=1.2`` (HF's; the prompt counts);
 * ``all``: ``repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2`` (jaxkv
   only: transformers has no presence / frequency penalty);
+* ``sampled`` / ``sampled rep``: jaxkv with the demo's sampling (temperature 0.8, top-k 40,
+  top-p 0.95), without and with ``repetition_penalty=1.2``;
 
 and the ratio to ``plain`` of the same library is the figure: what turning the penalty on
 costs. jaxkv carries a ``[B, V]`` history through its loop (``jaxkv.sampling.TokenHistory``);
@@ -34,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import machine, print_table, write_json  # noqa: E402
@@ -48,10 +51,13 @@ def cell(hf, model, batch: int, prompt: int, steps: int, repeats: int, vocab: in
     from jaxkv import SamplingConfig, generate
 
     ids = np.random.default_rng(batch).integers(1, vocab, size=(batch, prompt)).astype(np.int32)
-    configs = {"plain": SamplingConfig(), "rep": SamplingConfig(**REP), "all": SamplingConfig(**ALL)}
+    demo = dict(temperature=0.8, top_k=40, top_p=0.95)
+    configs = {"plain": SamplingConfig(), "rep": SamplingConfig(**REP), "all": SamplingConfig(**ALL),
+               "sampled": SamplingConfig(**demo), "sampled_rep": SamplingConfig(**demo, **REP)}
 
     def jaxkv_run(config):
-        return lambda: np.asarray(generate(model, ids, steps, sampling=config).tokens)
+        key = jax.random.key(0)
+        return lambda: np.asarray(generate(model, ids, steps, sampling=config, key=key).tokens)
 
     # No stop token on either side, so both run all N steps and emit the same tokens (with
     # min_new_tokens instead, transformers would forbid its EOS id where jaxkv may pick it).
@@ -81,6 +87,7 @@ def cell(hf, model, batch: int, prompt: int, steps: int, repeats: int, vocab: in
         row[f"{name}_ms_per_token"] = 1000 * min(ts) / steps
     row["jaxkv_rep_ratio"] = row["jaxkv_rep_ms_per_token"] / row["jaxkv_plain_ms_per_token"]
     row["jaxkv_all_ratio"] = row["jaxkv_all_ms_per_token"] / row["jaxkv_plain_ms_per_token"]
+    row["jaxkv_sampled_rep_ratio"] = row["jaxkv_sampled_rep_ms_per_token"] / row["jaxkv_sampled_ms_per_token"]
     row["hf_rep_ratio"] = row["hf_rep_ms_per_token"] / row["hf_plain_ms_per_token"]
     row["same_tokens"] = bool((runs["jaxkv_rep"]() == runs["hf_rep"]()).all())
     return row
@@ -116,14 +123,16 @@ def main(argv=None) -> None:
                 row = {"model": label, **cell(hf, model, batch, 32, steps, repeats, vocab)}
                 rows.append(row)
                 print(f"{label} batch {batch}: jaxkv rep {row['jaxkv_rep_ratio']:.2f}x all {row['jaxkv_all_ratio']:.2f}x"
+                      f" sampled rep {row['jaxkv_sampled_rep_ratio']:.2f}x"
                       f" | transformers rep {row['hf_rep_ratio']:.2f}x | same tokens {row['same_tokens']}", flush=True)
     table = [[r["model"], r["batch"], f"{r['jaxkv_plain_ms_per_token']:.3f}", f"{r['jaxkv_rep_ratio']:.2f}x",
-              f"{r['jaxkv_all_ratio']:.2f}x", f"{r['hf_plain_ms_per_token']:.3f}", f"{r['hf_rep_ratio']:.2f}x",
+              f"{r['jaxkv_all_ratio']:.2f}x", f"{r['jaxkv_sampled_ms_per_token']:.3f}",
+              f"{r['jaxkv_sampled_rep_ratio']:.2f}x", f"{r['hf_plain_ms_per_token']:.3f}", f"{r['hf_rep_ratio']:.2f}x",
               f"{r['hf_plain_ms_per_token'] / r['jaxkv_plain_ms_per_token']:.1f}x",
               f"{r['hf_rep_ms_per_token'] / r['jaxkv_rep_ms_per_token']:.1f}x", r["same_tokens"]]
              for r in rows]
     print_table(["model", "batch", "jaxkv ms/token", "jaxkv rep / plain", "jaxkv all / plain",
-                 "HF ms/token", "HF rep / plain", "HF / jaxkv plain", "HF / jaxkv rep", "same tokens"], table)
+                 "jaxkv sampled ms/token", "sampled rep / sampled", "HF ms/token", "HF rep / plain", "HF / jaxkv plain", "HF / jaxkv rep", "same tokens"], table)
     if not args.quick:
         write_json(str(HERE / "results" / "penalties.json"),
                    {"machine": machine(), "torch_threads": torch.get_num_threads(), "steps": steps,
