@@ -101,11 +101,10 @@ def test_greedy_tokens_match_transformers_generate(family):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama"], indirect=True)  # the penalty is the sampler's: one family
 def test_repetition_penalty_matches_transformers_generate(family):
     """Greedy decoding with HF's repetition penalty (the prompt counts) equals transformers' generate."""
-    name, hf, loaded, _ = family
-    if name != "llama":
-        pytest.skip("the penalty is the sampler's, not the family's: one family checks it")
+    _, hf, loaded, _ = family
     from jaxkv.sampling import SamplingConfig
 
     ids = _prompts(3, 9, seed=4)
