@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -30,9 +31,11 @@ __all__ = [
     "greedy",
     "init_history",
     "min_p_filter",
+    "penalise",
     "record_tokens",
     "sample",
     "top_k_filter",
+    "token_counts",
     "top_p_filter",
 ]
 
@@ -120,12 +123,16 @@ def init_history(
     """
     if not config.needs_history:
         return None
-    batch, width = input_ids.shape
-    valid = jnp.arange(width)[None, :] < jnp.asarray(prompt_lengths)[:, None]
-    ids = jnp.where(valid & (input_ids >= 0), input_ids, vocab_size)  # vocab_size: dropped below
-    rows = jnp.arange(batch)[:, None]
-    in_prompt = jnp.zeros((batch, vocab_size), bool).at[rows, ids].set(True, mode="drop")
-    return TokenHistory(in_prompt, jnp.zeros((batch, vocab_size), jnp.int32))
+    in_prompt = token_counts(input_ids, prompt_lengths, vocab_size) > 0
+    return TokenHistory(in_prompt, jnp.zeros(in_prompt.shape, jnp.int32))
+
+
+def token_counts(ids: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:  # [B, L], [B] -> int32 [B, V]
+    """How often each id occurs in ``ids[b, :lengths[b]]``; ids outside ``[0, vocab_size)`` are not counted."""
+    batch, width = ids.shape
+    valid = jnp.arange(width)[None, :] < jnp.asarray(lengths)[:, None]
+    ids = jnp.where(valid & (ids >= 0), ids, vocab_size)  # an index past the end: dropped (a negative one would wrap)
+    return jnp.zeros((batch, vocab_size), jnp.int32).at[jnp.arange(batch)[:, None], ids].add(1, mode="drop")
 
 
 def record_tokens(history: TokenHistory | None, tokens: jax.Array, active: jax.Array | None = None) -> TokenHistory | None:
@@ -158,15 +165,28 @@ def apply_penalties(logits: jax.Array, history: TokenHistory | None, config: Sam
         )
     if history.counts.shape != logits.shape:
         raise ValueError(f"the history is for [B, V] = {list(history.counts.shape)}, the logits are {list(logits.shape)}")
+    return penalise(logits, history, config.repetition_penalty, config.presence_penalty, config.frequency_penalty)
+
+
+def penalise(logits: jax.Array, history: TokenHistory, repetition, presence, frequency) -> jax.Array:
+    """The penalties on ``logits`` [B, V] (float32), each strength a Python number or a
+    per-row array [B] (``PagedEngine``'s requests); a Python 1.0 / 0.0 / 0.0 emits nothing."""
+
+    def per_row(v):
+        return float(v) if isinstance(v, numbers.Real) else jnp.asarray(v, jnp.float32)[:, None]
+
+    def off(v, identity):
+        return isinstance(v, numbers.Real) and v == identity
+
     x = logits.astype(jnp.float32)
     generated = history.counts > 0
-    if config.repetition_penalty != 1.0:
-        seen = history.in_prompt | generated
-        x = jnp.where(seen, jnp.where(x > 0, x / config.repetition_penalty, x * config.repetition_penalty), x)
-    if config.frequency_penalty != 0.0:
-        x = x - config.frequency_penalty * history.counts.astype(jnp.float32)
-    if config.presence_penalty != 0.0:
-        x = x - config.presence_penalty * generated.astype(jnp.float32)
+    if not off(repetition, 1.0):
+        r = per_row(repetition)
+        x = jnp.where(history.in_prompt | generated, jnp.where(x > 0, x / r, x * r), x)
+    if not off(frequency, 0.0):
+        x = x - per_row(frequency) * history.counts.astype(jnp.float32)
+    if not off(presence, 0.0):
+        x = x - per_row(presence) * generated.astype(jnp.float32)
     return x
 
 

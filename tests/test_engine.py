@@ -105,8 +105,8 @@ def test_per_row_min_p_and_penalties_follow_their_definitions():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.decoding.engine import _per_row_penalties, _sample_rows
-    from jaxkv.sampling import TokenHistory
+    from jaxkv.decoding.engine import _sample_rows
+    from jaxkv.sampling import TokenHistory, penalise
 
     rows, vocab = 2000, 6
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
@@ -120,7 +120,7 @@ def test_per_row_min_p_and_penalties_follow_their_definitions():
     counts = np.zeros((2, vocab), np.int32)
     counts[0, 2], counts[1, 3] = 2, 1
     x = np.array([[1.0, 2.0, -1.0, 0.5, -2.0, 3.0], [1.0, 2.0, -1.0, 0.5, -2.0, 3.0]], np.float32)
-    got = np.asarray(_per_row_penalties(jnp.asarray(x), TokenHistory(jnp.asarray(in_prompt), jnp.asarray(counts)),
+    got = np.asarray(penalise(jnp.asarray(x), TokenHistory(jnp.asarray(in_prompt), jnp.asarray(counts)),
                                         jnp.asarray([2.0, 1.0]), jnp.asarray([0.5, 0.0]), jnp.asarray([0.25, 0.0])))
     want = x.copy()
     want[0, 1], want[0, 4] = 2.0 / 2, -2.0 * 2  # in the prompt: repetition only

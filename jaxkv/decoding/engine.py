@@ -60,7 +60,7 @@ from flax import nnx
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
 from jaxkv.decoding._common import check_positive_int, check_request, forward
-from jaxkv.sampling import SamplingConfig, TokenHistory
+from jaxkv.sampling import SamplingConfig, TokenHistory, penalise, record_tokens, token_counts
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
 
@@ -189,15 +189,6 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _per_row_penalties(logits, history, rep, pres, freq):  # [R, V], TokenHistory of [R, V], [R] each
-    """SamplingConfig's penalties with per-row strengths (1.0 / 0.0 / 0.0 leave a row exactly as it was)."""
-    generated = history.counts > 0
-    seen = history.in_prompt | generated
-    r = rep[:, None]
-    x = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
-    return x - freq[:, None] * history.counts.astype(jnp.float32) - pres[:, None] * generated.astype(jnp.float32)
-
-
 def _sample_rows(logits, temperature, top_p, min_p, seeds, index):  # [R, V], [R] each -> int32 [R]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -227,11 +218,11 @@ def _step_program(graphdef, state, cache, rows, tokens, num_new, sampling, histo
     last = jnp.take_along_axis(logits, jnp.clip(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     if history is not None:
         mine = TokenHistory(*(jnp.take(h, rows, axis=0, mode="fill", fill_value=0) for h in history))
-        last = _per_row_penalties(last, mine, rep, pres, freq)
+        last = penalise(last, mine, rep, pres, freq)  # per-row strengths: 1.0 / 0.0 / 0.0 leave a row as it was
     picked = _sample_rows(last, temperature, top_p, min_p, seeds, index)
     if history is not None:
         # The rows that emitted a token this step (not a prefill chunk short of its prompt's end).
-        counts = mine.counts.at[jnp.arange(rows.shape[0]), picked].add(emits.astype(jnp.int32))
+        counts = record_tokens(mine, picked, emits).counts
         history = history._replace(counts=history.counts.at[rows].set(counts, mode="drop"))
     return picked, cache.free_pages, cache, history
 
@@ -239,14 +230,9 @@ def _step_program(graphdef, state, cache, rows, tokens, num_new, sampling, histo
 @partial(jax.jit, donate_argnames="history")
 def _history_admit_program(history, rows, prompts, prompt_lengths, generated, generated_lengths):
     # rows int32[N] (>= R: unused); prompts / generated int32[N, L] with their lengths [N].
-    width = prompts.shape[1]
-    valid = jnp.arange(width)[None, :]
     vocab = history.counts.shape[1]
-    n = jnp.arange(rows.shape[0])[:, None]
-    in_prompt = jnp.zeros((rows.shape[0], vocab), bool).at[
-        n, jnp.where(valid < prompt_lengths[:, None], prompts, vocab)].set(True, mode="drop")
-    counts = jnp.zeros((rows.shape[0], vocab), jnp.int32).at[
-        n, jnp.where(valid < generated_lengths[:, None], generated, vocab)].add(1, mode="drop")
+    in_prompt = token_counts(prompts, prompt_lengths, vocab) > 0
+    counts = token_counts(generated, generated_lengths, vocab)
     return TokenHistory(history.in_prompt.at[rows].set(in_prompt, mode="drop"),
                         history.counts.at[rows].set(counts, mode="drop"))
 
