@@ -154,6 +154,8 @@ def test_dynamic_under_jit_compiles_once_per_length():
         (lambda c, k, v: c.crop(jnp.array([1, 2])), TypeError, "per-row rollback use StaticCache"),
         (lambda c, k, v: c[5], IndexError, "out of range"),
         (lambda c, k, v: DynamicCache(num_layers=2)[0], ValueError, "not been seeded"),
+        (lambda c, k, v: c.get_seq_length(-1), ValueError, "layer_idx must be an int >= 0, got -1"),
+        (lambda c, k, v: c.reorder_cache(np.array([2**32 + 1, 0])), ValueError, "row index 4294967297"),
     ],
 )
 def test_dynamic_bad_input(call, exc, match):
@@ -359,6 +361,16 @@ def test_x64_mode_keeps_int32_indices_and_bf16():
         d, kk, _ = DynamicCache().update(k.astype(jnp.bfloat16), k, 0)
         d, kk, _ = d.update(k, k, 0)
         assert kk.dtype == jnp.bfloat16
+        # Traced int64 indices, counts and layers are range-checked before narrowing to
+        # int32 (2**32 + 1 would wrap to a valid 1): the row, count or layer is refused.
+        wide = 2**32 + 1
+        r = jax.jit(lambda c, i: c.reorder_cache(i))(c, jnp.array([wide, 0]))
+        assert r.seq_lengths(1).tolist() == [0, 3] and (r.flags & 2).tolist() == [2, 0], r.lengths
+        n = jax.jit(lambda c, n: c.update(k, k, 0, num_new=n)[0])(c, jnp.array([wide, 1]))
+        assert n.seq_lengths(0).tolist() == [0, 1] and (n.flags & 2).tolist() == [2, 0], n.lengths
+        w = jax.jit(lambda c, i: c.update(k, k, i)[0])(c, jnp.int64(wide))
+        assert w.lengths.tolist() == c.lengths.tolist() and (w.flags & 2).tolist() == [2, 2]
+        assert jax.jit(lambda c, i: c.seq_lengths(i))(c, jnp.int64(wide)).tolist() == [0, 0]
         print("ok")
         """
     )
@@ -394,6 +406,18 @@ def test_x64_mode_keeps_int32_indices_and_bf16():
         (lambda c, k, v: StaticCache.init(num_layers=0, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1), ValueError, "num_layers must be an int >= 1"),
         (lambda c, k, v: StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1, dtype=jnp.int32), TypeError, "dtype must be floating"),
         (lambda c, k, v: filled_static().to_legacy_cache(), ValueError, "different lengths per row"),
+        # Wide concrete indices are range-checked in their own dtype (never wrapped to row 1).
+        (lambda c, k, v: c.reorder_cache(np.array([2**32 + 1, 0])), ValueError, "row index 4294967297"),
+        (lambda c, k, v: c.batch_select_indices(np.array([2**32], np.uint64)), ValueError, "row index 4294967296"),
+        # put_rows from a cache of other sizes: refused, naming the axis (never broadcast in).
+        (lambda c, k, v: c.put_rows(jnp.array([1]), empty_static(batch_size=1, num_kv_heads=1)), ValueError,
+         r"ContiguousStorage.keys .*: heads 1 \(this cache 2\)\. Only the batch size may differ"),
+        (lambda c, k, v: c.put_rows(jnp.array([1]), empty_static(batch_size=1, max_length=8)), ValueError,
+         r"seq 8 \(this cache 16\)"),
+        (lambda c, k, v: c.put_rows(jnp.array([1]), empty_static(batch_size=1, num_layers=1)), TypeError,
+         r"StaticCache of 1 layers; this one: StaticCache of 3\)"),
+        (lambda c, k, v: StaticCache.from_dynamic(filled_dynamic(), max_length=3), ValueError,
+         r"layer 0 holds 5 tokens, more than max_length=3; pass max_length >= 5"),
     ],
 )
 def test_static_bad_input(call, exc, match):

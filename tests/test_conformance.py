@@ -26,6 +26,7 @@ from jaxkv import INVALID, OVERFLOW, CacheError, DynamicCache
 from jaxkv.attention import attend_view
 from jaxkv.caches import (
     FULL,
+    NO_POSITION,
     SLIDING,
     CrossAttentionCache,
     EncoderDecoderCache,
@@ -525,6 +526,12 @@ def test_traced_bad_layer_or_num_new_writes_nothing_and_flags(kind):
         out = jax.jit(lambda c, i: c.update(k, k, i)[0])(cache, jnp.int32(L))
         np.testing.assert_array_equal(lengths_of(out), lengths_of(cache))
         assert ((np.asarray(out.flags) & INVALID) != 0).all()
+        # A bad traced layer reads as an empty layer, never as a clamped or wrapped one.
+        read = jax.jit(lambda c, i: (c.seq_lengths(i), c.view(i).slot_positions()))
+        for bad in (L, -1):
+            lengths, positions = read(cache, jnp.int32(bad))
+            np.testing.assert_array_equal(lengths, [0] * B)
+            assert (np.asarray(positions) == NO_POSITION).all(), (bad, positions)
     out = jax.jit(lambda c, n: c.update(k, k, 1, num_new=n)[0])(cache, jnp.array([1, 3, -1], jnp.int32))
     np.testing.assert_array_equal(out.seq_lengths(1), [4, 2, 1])  # bad counts write nothing
     np.testing.assert_array_equal((np.asarray(out.flags) & INVALID) != 0, [False, True, True])
@@ -542,6 +549,7 @@ def test_crop_rule(kind):
     cache = filled(kind)  # rows hold 3, 2 and 1 tokens in every layer
     np.testing.assert_array_equal(lengths_of(cache.crop(jnp.array([-2, 0, 1])))[0], [1, 2, 1])  # 0 drops nothing
     np.testing.assert_array_equal(lengths_of(cache.crop(0))[0], [3, 2, 1])
+    np.testing.assert_array_equal(lengths_of(cache.crop(np.uint64(2**64 - 1)))[0], [3, 2, 1])  # not -1
     for huge in (2**31, np.int64(2**32 + 2), 2**70):  # clamped, never wrapped
         np.testing.assert_array_equal(lengths_of(cache.crop(huge))[0], [3, 2, 1])
         np.testing.assert_array_equal(lengths_of(cache.crop(-huge))[0], [0, 0, 0])

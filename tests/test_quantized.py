@@ -75,6 +75,16 @@ def test_quantizer_error_bound_zero_tokens_and_packing(bits):
     np.testing.assert_array_equal(dequantize(q, scale, bits), ints)
     if bits == 4:
         np.testing.assert_array_equal(np.asarray(q[:, 0]) & 0xF, QMAX[4])  # element 0: low nibble
+    # float16 scales: a token past qmax * 65504 saturates at float16's largest scale (its
+    # large elements clip there) instead of an inf scale that dequantizes to NaN.
+    top = QMAX[bits] * 65504.0
+    big = np.array([[1e7, -3.0, 1.0, 0.0], [100.0, 1.0, -2.0, 0.5]], np.float32)
+    q, scale = quantize(big, bits, scale_dtype=jnp.float16)
+    deq = np.asarray(dequantize(q, scale, bits))
+    assert np.isfinite(deq).all() and float(scale[0]) == 65504.0
+    np.testing.assert_allclose(deq[0, 0], top)
+    assert (np.abs(deq[0, 1:] - big[0, 1:]) <= 65504.0 / 2).all()
+    assert (np.abs(deq[1] - big[1]) <= error_bound(big[1:], bits)).all()
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

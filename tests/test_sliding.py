@@ -271,6 +271,19 @@ def test_traced_bad_inputs_set_invalid_flag():
     assert int(bad_count.flags[1]) & INVALID
 
 
+def test_crop_to_empty_needs_no_evicted_position():
+    """Dropping every token of a row (crop(-length)) is always possible, evicted tokens
+    or not: eagerly, and under jit without the INVALID flag; the row then takes new tokens
+    as an empty one does."""
+    cache = filled()  # row 0 holds positions 2..6 of 7 (positions 0..1 were evicted)
+    for out in (cache.crop(jnp.array([-7, -1])), jax.jit(lambda c: c.crop(jnp.array([-7, -1])))(cache)):
+        np.testing.assert_array_equal(out.seq_lengths(0), [0, 2])
+        assert not np.asarray(out.flags).any()
+        out, _, _ = out.update(K2, K2, 0)
+        np.testing.assert_array_equal(out.kv_positions(0)[0], [0, 1] + [NO_POSITION] * 3)
+    np.testing.assert_array_equal(cache.crop(-(2**40)).seq_lengths(1), [0, 0])
+
+
 @pytest.mark.parametrize(
     "call, exc, match",
     [

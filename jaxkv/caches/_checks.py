@@ -82,22 +82,37 @@ def _check_layout(states: Array, expected: tuple[int, int, int], who: str) -> No
 
 
 def _check_row_indices(indices: Any, batch: int, who: str) -> Array:
-    indices = jnp.asarray(indices)
+    # Concrete indices are read on the host in their own dtype (jnp.asarray would narrow
+    # an int64 2**32 + 1 to row 1 before the range check); traced ones are range-checked
+    # in their own dtype too, and a bad one becomes -1, which every row op treats as out of
+    # range (the row is emptied and flagged INVALID).
+    traced = _is_traced(indices)
+    indices = indices if traced else np.asarray(indices)
     if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(
             f"{who}: indices must be a 1-D integer array of batch rows, got shape "
             f"{indices.shape} and dtype {indices.dtype}."
         )
-    if not _is_traced(indices):
-        host = np.asarray(indices)
-        bad = (host < 0) | (host >= batch)
+    if not traced:
+        bad = (indices < 0) | (indices >= batch)
         if bad.any():
             raise ValueError(
-                f"{who}: row index {int(host[bad][0])} (position {int(np.argmax(bad))}) is out "
+                f"{who}: row index {int(indices[bad][0])} (position {int(np.argmax(bad))}) is out "
                 f"of range for a cache with batch size {batch}; valid rows are 0..{batch - 1}."
             )
-        return host.astype(np.int32)  # in range, so narrowing cannot wrap
-    return indices.astype(jnp.int32)
+        return indices.astype(np.int32)  # in range, so narrowing cannot wrap
+    return _narrow_in_range(indices, batch)
+
+
+def _narrow_in_range(x: Array, stop: int) -> Array:
+    """A traced integer array as int32, with every value outside ``[0, stop)`` -> -1.
+
+    The range is tested in ``x``'s own dtype, so a wide value (int64 under x64, uint32)
+    is never wrapped into range by the narrowing."""
+    if jnp.dtype(x.dtype) == jnp.int32:
+        return x
+    ok = (x >= 0) & (x < stop)
+    return jnp.where(ok, x.astype(jnp.int32), jnp.int32(-1))
 
 
 def _check_repeats(repeats: Any, who: str) -> int:
@@ -132,7 +147,7 @@ def _layer_index(layer_idx: Any, num_layers: int, who: str, *, allow_traced: boo
         and layer_idx.ndim == 0
         and jnp.issubdtype(layer_idx.dtype, jnp.integer)
     ):
-        return layer_idx.astype(jnp.int32)
+        return _narrow_in_range(layer_idx, num_layers)
     raise TypeError(
         f"{who}: layer_idx must be an int{' or a traced int32 scalar' if allow_traced else ''}, "
         f"got {layer_idx!r}."
@@ -185,9 +200,8 @@ def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Ar
         count = jnp.broadcast_to(count, (batch,))
     if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
         raise _num_new_shape_error(count.shape, count.dtype, batch, who)
-    count = count.astype(jnp.int32)
-    invalid = (count < 0) | (count > new_tokens)
-    return jnp.where(invalid, 0, count), invalid
+    invalid = (count < 0) | (count > new_tokens)  # in num_new's own dtype: never wrapped
+    return jnp.where(invalid, 0, count).astype(jnp.int32), invalid
 
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -212,7 +226,9 @@ def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
         )
     if m.ndim == 1 and m.shape[0] != batch:
         raise ValueError(f"{who}: per-row max_length needs {batch} entries, got {m.shape[0]}.")
-    if isinstance(m, np.ndarray):
+    if isinstance(m, np.ndarray):  # clip in the source dtype: a uint64 2**64 - 1 cast first is -1
+        if np.issubdtype(m.dtype, np.unsignedinteger):
+            m = np.minimum(m, np.uint64(_INT32_MAX))
         m = np.clip(m.astype(np.int64), -_INT32_MAX, _INT32_MAX)
     else:  # a wide traced/device integer: clamp before narrowing (astype would wrap)
         if jnp.iinfo(m.dtype).bits > 32 or jnp.dtype(m.dtype) == jnp.uint32:

@@ -215,8 +215,17 @@ class KVCache:
     # ---- queries
 
     def seq_lengths(self, layer_idx: Any = 0) -> Array:
-        """int32[B]: tokens seen per row by ``layer_idx``."""
-        return self.lengths[_layer_index(layer_idx, self.num_layers, f"{self._name}.seq_lengths")]
+        """int32[B]: tokens seen per row by ``layer_idx``.
+
+        A traced ``layer_idx`` out of range reads as an empty layer (zeros), never as another
+        layer (jnp indexing would clamp or wrap it); eagerly it raises ValueError."""
+        return self._layer_lengths(_layer_index(layer_idx, self.num_layers, f"{self._name}.seq_lengths"))
+
+    def _layer_lengths(self, layer: Any) -> Array:
+        if isinstance(layer, int):
+            return self.lengths[layer]
+        ok, read, _ = _write_target(layer, self.num_layers)
+        return jnp.where(ok, self.lengths[read], 0)
 
     def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
         """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
@@ -237,7 +246,9 @@ class KVCache:
         """The layer as it is now, as attention reads it (no write): a view of
         :mod:`jaxkv.caches.views`; pass it to :func:`jaxkv.attention.attend_view`."""
         store, local, layer = self._locate(layer_idx, f"{self._name}.view")
-        return self.stores[store].view(local, self.lengths[layer])
+        if not isinstance(layer, int):  # traced: an out-of-range layer is viewed empty
+            _, local, _ = _write_target(local, self.stores[store].num_layers)
+        return self.stores[store].view(local, self._layer_lengths(layer))
 
     def kv_positions(self, layer_idx: Any = 0) -> Array:
         """int32[B, S]: the absolute position held by each slot of the layer
@@ -457,10 +468,15 @@ class KVCache:
         """
         who = f"{self._name}.put_rows"
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
-            raise TypeError(f"{who}: the other cache has another kind or layer layout ({type(other).__name__}).")
+            raise TypeError(
+                f"{who}: the other cache has another kind or layer layout ({type(other).__name__} of "
+                f"{other.num_layers} layers; this one: {self._name} of {self.num_layers}). Prefill the rows in "
+                "a cache made with the same init arguments except batch_size."
+            )
         idx = _check_row_indices(rows, self.batch_size, who)
         if idx.shape[0] != other.batch_size:
             raise ValueError(f"{who}: {idx.shape[0]} rows given for a cache of {other.batch_size} rows.")
+        _check_same_row_layout(self.stores, other.stores, who)
 
         def put(x, part, axis):
             return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")
@@ -708,3 +724,26 @@ def _restore(treedef, leaves, mesh):
     spec = _one_layer_spec(sharding, type(cache).__name__)
     targets = _tree_shardings(cache, sharding.mesh, spec)
     return dataclasses.replace(jax.device_put(cache, targets), sharding=sharding)
+
+
+# Axes a row copy may differ in: the batch (rows given vs rows held) and a paged pool's size.
+_ROW_COPY_FREE_AXES = ("batch", "pages")
+
+
+def _check_same_row_layout(mine: tuple, theirs: tuple, who: str) -> None:
+    """Refuses ``put_rows`` from a cache of other sizes (heads, head_dim, capacity, slots,
+    layers): a scatter would broadcast or fail far from the cause, never say which size."""
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        for field, axes in type(a).LEAF_AXES.items():
+            x, y = getattr(a, field), getattr(b, field)
+            if x is None or y is None:
+                continue
+            want = {n: d for n, d in zip(axes, x.shape) if n not in _ROW_COPY_FREE_AXES}
+            got = {n: d for n, d in zip(axes, y.shape) if n not in _ROW_COPY_FREE_AXES}
+            if want != got or x.ndim != y.ndim:
+                diff = ", ".join(f"{n} {got.get(n)} (this cache {want.get(n)})" for n in want if want[n] != got.get(n))
+                raise ValueError(
+                    f"{who}: the other cache's {type(b).__name__}.{field} (storage {i}) has shape {y.shape}, "
+                    f"this cache's {x.shape}: {diff or 'another rank'}. Only the batch size may differ: "
+                    "build the cache you prefill with the same init arguments except batch_size."
+                )

@@ -169,6 +169,13 @@ class StaticCache(KVCache):
                     "StaticCache.from_dynamic: every layer must share [batch, kv_heads, head_dim]; "
                     f"layer 0 has {k0.shape}, layer {i} has {k.shape}."
                 )
+        longest = max(k.shape[2] for k, _ in layers)
+        if isinstance(max_length, int) and not isinstance(max_length, bool) and longest > max_length:
+            i = next(i for i, (k, _) in enumerate(layers) if k.shape[2] == longest)
+            raise ValueError(
+                f"StaticCache.from_dynamic: layer {i} holds {longest} tokens, more than max_length="
+                f"{max_length}; pass max_length >= {longest} (plus the tokens you will decode)."
+            )
         static = cls.init(
             num_layers=len(layers), batch_size=k0.shape[0], num_kv_heads=k0.shape[1], head_dim=k0.shape[3],
             max_length=max_length, dtype=k0.dtype if dtype is None else dtype, sharding=sharding,

@@ -124,7 +124,18 @@ class DynamicCache:
     # ---- queries
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached in ``layer_idx`` (0 if the layer is absent or not seeded)."""
+        """Tokens cached in ``layer_idx`` (0 if the layer is absent or not seeded).
+
+        Raises:
+          ValueError: a negative or non-integer ``layer_idx`` (as every jaxkv cache does;
+            a Python list would read -1 as the last layer).
+        """
+        i = _static_int(layer_idx)
+        if i is None or i < 0:
+            raise ValueError(
+                f"DynamicCache.get_seq_length: layer_idx must be an int >= 0, got {layer_idx!r}."
+            )
+        layer_idx = i
         if layer_idx >= len(self.layers) or self.layers[layer_idx] is None:
             return 0
         return int(self.layers[layer_idx][0].shape[2])

@@ -9,7 +9,10 @@ head dim (``qmax`` = 127 for int8, 7 for int4), ``q = round(x / scale)``, ``x ~ 
 Scales are stored in ``scale_dtype`` (bfloat16 by default, 2 bytes per token and head)
 rounded *up*, so ``|x / scale| <= qmax`` never clips and the error of every element is at
 most ``scale / 2 <= max|x| / (2 qmax) * (1 + 2**-7)`` (bfloat16 spacing is ``2**-7``
-relative). An all-zero token gets scale 0 and dequantizes to exact zeros.
+relative). An all-zero token gets scale 0 and dequantizes to exact zeros. With
+``scale_dtype=float16`` a token with ``max|x| > qmax * 65504`` saturates (its scale is
+float16's largest; its elements are clipped to ``+-qmax * 65504``) rather than turning into
+NaN; bfloat16 scales have float32's range.
 
 Each token is quantized once, when written; per-token scales do not depend on other
 tokens, so quantizing later (as HF's quantized cache does for tokens leaving its residual)
@@ -60,7 +63,10 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple
     Args:
       x: [..., D] finite floating values.
       bits: 8 (int8 storage) or 4 (two values per uint8 byte; D must be even).
-      scale_dtype: floating dtype of the scales; each is rounded up to it.
+      scale_dtype: floating dtype of the scales; each is rounded up to it. A scale beyond
+        the dtype's range saturates at its largest finite value (float16: tokens with
+        ``max|x| > qmax * 65504`` are clipped there instead of turning into NaN; bfloat16
+        and float32 have float32's range).
 
     Returns:
       ``(q, scale)``: ``q`` int8 [..., D] or uint8 [..., D / 2] (element ``2i`` in the low
@@ -78,10 +84,16 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple
     qmax = _QMAX[bits]
     x32 = x.astype(jnp.float32)
     wanted = jnp.max(jnp.abs(x32), axis=-1) / jnp.float32(qmax)
-    scale = wanted.astype(scale_dtype)
+    # A scale past the dtype's range (float16: |x| > qmax * 65504) would round to inf and
+    # dequantize to NaN: it saturates at the largest finite scale instead (such a token is
+    # clipped to +-qmax * that scale, which is documented in the cache's docstring).
+    top = jnp.float32(jnp.finfo(scale_dtype).max)
+    scale = jnp.minimum(wanted, top).astype(scale_dtype)
     # Round the stored scale up so that |x / scale| <= qmax: no clipping error.
     scale = jnp.where(
-        scale.astype(jnp.float32) < wanted, jnp.nextafter(scale, jnp.asarray(jnp.inf, scale_dtype)), scale
+        (scale.astype(jnp.float32) < wanted) & (scale.astype(jnp.float32) < top),
+        jnp.nextafter(scale, jnp.asarray(jnp.inf, scale_dtype)),
+        scale,
     )
     s32 = scale.astype(jnp.float32)[..., None]
     q = jnp.round(x32 / jnp.where(s32 > 0, s32, jnp.float32(1.0)))  # an all-zero token: 0 / 1
