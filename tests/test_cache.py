@@ -155,6 +155,7 @@ def test_dynamic_under_jit_compiles_once_per_length():
         (lambda c, k, v: c[5], IndexError, "out of range"),
         (lambda c, k, v: DynamicCache(num_layers=2)[0], ValueError, "not been seeded"),
         (lambda c, k, v: c.get_seq_length(-1), ValueError, "layer_idx must be an int >= 0, got -1"),
+        (lambda c, k, v: c.positions(-2), ValueError, r"num_tokens must be an int >= 0 .*got -2"),
         (lambda c, k, v: c.reorder_cache(np.array([2**32 + 1, 0])), ValueError, "row index 4294967297"),
     ],
 )
@@ -403,6 +404,7 @@ def test_x64_mode_keeps_int32_indices_and_bf16():
         (lambda c, k, v: c.reset(jnp.array([1, 0])), TypeError, "rows must be a bool array"),
         (lambda c, k, v: c[L], ValueError, "out of range"),
         (lambda c, k, v: c.seq_lengths(7), ValueError, "out of range"),
+        (lambda c, k, v: c.positions(-1), ValueError, r"num_tokens must be an int >= 0 .*got -1"),
         (lambda c, k, v: StaticCache.init(num_layers=0, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1), ValueError, "num_layers must be an int >= 1"),
         (lambda c, k, v: StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=1, max_length=1, dtype=jnp.int32), TypeError, "dtype must be floating"),
         (lambda c, k, v: filled_static().to_legacy_cache(), ValueError, "different lengths per row"),
@@ -425,6 +427,23 @@ def test_static_bad_input(call, exc, match):
     k, v = states(2)
     with pytest.raises(exc, match=match):
         call(cache, k, v)
+
+
+def test_traced_out_of_range_put_rows_drops_the_row_and_flags_every_row():
+    big = filled_static()  # rows hold 5 and 3 tokens
+    small = empty_static(batch_size=1).update(*states(2, batch=1), 0)[0]
+    put = jax.jit(lambda c, r: c.put_rows(r, small))
+    for row in (-1, B, 2**31 - 1):  # -1 must not wrap onto the last row
+        out = put(big, jnp.array([row]))
+        chex.assert_trees_all_equal(out.stores, big.stores)
+        np.testing.assert_array_equal(out.lengths, big.lengths)
+        assert ((np.asarray(out.flags) & INVALID) != 0).all(), row
+        with pytest.raises(CacheError, match="out-of-range index"):
+            out.check()
+    good = put(big, jnp.array([1]))
+    np.testing.assert_array_equal(good.lengths[:, 1], [2, 0, 0])
+    np.testing.assert_array_equal(good.lengths[:, 0], [5, 5, 5])
+    assert not np.asarray(good.flags).any()
 
 
 def test_shape_errors_are_raised_at_trace_time_under_jit():

@@ -329,6 +329,16 @@ def test_x64_mode_keeps_int32_indices_and_storage_dtypes():
 # ---------------------------------------------------------------------------- errors
 
 
+def test_numpy_int_extra_slots_and_crop_to_empty():
+    cache = HybridCache.init(layer_types=[SLIDING, FULL], batch_size=1, num_kv_heads=1, head_dim=2, max_length=8,
+                             window=2, extra_slots=np.int64(1))
+    assert cache.stores[cache.groups[0]].num_slots == 3
+    full = filled()  # the ring layers have evicted positions: emptying a row needs none of them
+    out = full.crop(jnp.array([-(2**20)] * B))
+    np.testing.assert_array_equal(out.lengths, np.zeros_like(full.lengths))
+    assert not np.asarray(out.flags).any()
+
+
 def test_kv_positions_of_both_kinds():
     cache = filled()
     np.testing.assert_array_equal(cache.kv_positions(0)[0], [4, 1, 2, 3])  # ring of 4, 5 seen
@@ -353,6 +363,10 @@ def test_kv_positions_of_both_kinds():
         (lambda c: make(types=(FULL, "chunked_attention")), ValueError, "chunked_attention"),
         (lambda c: HybridCache.init(layer_types=[SLIDING], batch_size=1, num_kv_heads=1, head_dim=1, max_length=4),
          ValueError, "window must be given"),
+        (lambda c: HybridCache.init(layer_types=[SLIDING], batch_size=1, num_kv_heads=1, head_dim=1, max_length=4,
+                                    window=2, extra_slots=True), ValueError, "extra_slots must be an int >= 0, got True"),
+        (lambda c: c.crop(-5).put_rows(jnp.array([0]), make(batch=1, types=(FULL, SLIDING, FULL, SLIDING))),
+         TypeError, "another kind or layer layout"),
     ],
 )
 def test_bad_input(call, exc, match):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache, StaticCache
+from jaxkv import INVALID, OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache, StaticCache
 from jaxkv.attention import attend_view
 from reference import numpy_attention
 
@@ -200,6 +200,12 @@ def test_put_rows_copies_pages_into_fresh_ones():
     attention_matches(out.batch_select_indices(jnp.array([2, 0])), [list(host[b].transpose(1, 0, 2)) for b in range(2)])
     with pytest.raises(ValueError, match="put_rows: out of pages"):
         write_all(paged(batch=3, num_pages=5), states(rng, 3, 8), jnp.array([0, 8, 8])).put_rows(jnp.array([0, 1]), small)
+    # Under jit an out-of-range row (-1 included) is dropped, takes no page and flags every row.
+    out = jax.jit(lambda c, r: c.put_rows(r, small))(big, jnp.array([-1, 3]))
+    assert_accounting(out)
+    np.testing.assert_array_equal(out.refcount, big.refcount)
+    np.testing.assert_array_equal(out.seq_lengths(0), big.seq_lengths(0))
+    assert ((np.asarray(out.flags) & INVALID) != 0).all()
     # Rows of a pool of other heads or head_dim are refused (the pool is free to be smaller).
     for other, axis in ((dict(num_kv_heads=1), r"heads 1 \(this cache 2\)"), (dict(head_dim=2 * D), rf"packed {2 * D} ")):
         args = dict(num_layers=L, batch_size=1, num_kv_heads=H, head_dim=D, max_length=16, page_size=PS) | other

@@ -115,6 +115,17 @@ def _narrow_in_range(x: Array, stop: int) -> Array:
     return jnp.where(ok, x.astype(jnp.int32), jnp.int32(-1))
 
 
+def _check_num_tokens(num_tokens: Any, who: str) -> int:
+    """``positions``' token count: a static int >= 0 (it is the width of the result)."""
+    n = _static_int(num_tokens)
+    if n is None or n < 0:
+        raise ValueError(
+            f"{who}: num_tokens must be an int >= 0 (the number of new tokens, a static shape), "
+            f"got {num_tokens!r}."
+        )
+    return n
+
+
 def _check_repeats(repeats: Any, who: str) -> int:
     r = _static_int(repeats)
     if r is None:

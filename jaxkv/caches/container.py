@@ -85,6 +85,7 @@ from jaxkv.caches._checks import (
     _check_row_indices,
     _check_states,
     _crop_amounts,
+    _check_num_tokens,
     _flag,
     _host_counts,
     _is_traced,
@@ -240,7 +241,8 @@ class KVCache:
         no rows yet, a ``DynamicCache``; here the rows are known.)
         """
         del batch_size
-        return self.seq_lengths(layer_idx)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+        n = _check_num_tokens(num_tokens, f"{self._name}.positions")
+        return self.seq_lengths(layer_idx)[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
 
     def view(self, layer_idx: Any) -> Any:
         """The layer as it is now, as attention reads it (no write): a view of
@@ -341,8 +343,8 @@ class KVCache:
           ValueError: wrong rank/shape, an out-of-range static layer index, a concrete
             ``num_new`` outside ``[0, T]``, or (eagerly) a write past capacity — the
             message names the layer, row and lengths. Under jit see the module policy.
-          TypeError: non-floating states, a non-integer ``num_new``, a traced layer index
-            with several storages.
+          TypeError: non-floating states, a non-integer ``num_new`` or one of another shape than
+            ``[B]`` (or a scalar), a traced layer index with several storages.
         """
         if type(self).write is KVCache.write and self._eager(key_states, value_states, layer_idx, num_new):
             done = self._eager_update(key_states, value_states, layer_idx, num_new)
@@ -464,7 +466,9 @@ class KVCache:
         them. ``other`` must be the same kind with the same layer layout and sizes.
 
         Raises:
-          ValueError / TypeError: another structure, or an out-of-range row (eagerly).
+          ValueError / TypeError: another structure or sizes (only the batch may differ),
+            or an out-of-range row (eagerly). Under jit an out-of-range row is dropped and
+            every row of the result is flagged ``INVALID`` (``check()`` raises).
         """
         who = f"{self._name}.put_rows"
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
@@ -477,6 +481,12 @@ class KVCache:
         if idx.shape[0] != other.batch_size:
             raise ValueError(f"{who}: {idx.shape[0]} rows given for a cache of {other.batch_size} rows.")
         _check_same_row_layout(self.stores, other.stores, who)
+        # A traced out-of-range row (negative included) is dropped, never wrapped onto
+        # another row; the request it carried is lost, so every row is flagged INVALID.
+        bad_row = jnp.zeros((), bool)
+        if _is_traced(idx):
+            bad = (idx < 0) | (idx >= self.batch_size)
+            idx, bad_row = jnp.where(bad, self.batch_size, idx), jnp.any(bad)
 
         def put(x, part, axis):
             return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")
@@ -491,8 +501,9 @@ class KVCache:
             stores.append(mine)
         lengths = jnp.where(stored[None, :], other.lengths, 0)
         flags = jnp.where(stored, other.flags, other.flags | jnp.int32(OUT_OF_PAGES))
+        flags = put(self.flags, flags, 0) | _flag(bad_row, INVALID)
         return dataclasses.replace(
-            self, stores=tuple(stores), lengths=put(self.lengths, lengths, 1), flags=put(self.flags, flags, 0)
+            self, stores=tuple(stores), lengths=put(self.lengths, lengths, 1), flags=flags
         )._constrained()
 
     # ---- serialisation

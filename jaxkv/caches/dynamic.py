@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches._checks import (
+    _check_num_tokens,
     _check_layout,
     _check_repeats,
     _check_row_indices,
@@ -235,8 +236,9 @@ class DynamicCache:
         batch = self._batch_size() or batch_size
         if batch is None:
             raise ValueError("DynamicCache.positions: no layer is seeded yet; pass batch_size.")
+        n = _check_num_tokens(num_tokens, "DynamicCache.positions")
         start = self.get_seq_length(layer_idx)
-        return jnp.broadcast_to(start + jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+        return jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (batch, n))
 
     def write(
         self, key_states: Any, value_states: Any, layer_idx: int, *, num_new: Any = None

@@ -336,6 +336,8 @@ class PagedStorage:
         need = theirs >= 0
         free = base.refcount == 0
         fits = _admit(jnp.sum(need, axis=1, dtype=jnp.int32), jnp.sum(free, dtype=jnp.int32))
+        # A dropped (out-of-range, traced) row takes no page: its pages would be held by no row.
+        fits = fits & (idx < self.block_table.shape[0])
         if not _is_traced(fits) and not bool(np.all(np.asarray(fits))):
             row = int(np.argmax(~np.asarray(fits)))
             raise ValueError(
