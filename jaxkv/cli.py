@@ -259,6 +259,8 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not -(2**63) <= args.seed < 2**63:  # jax.random.key takes a 64-bit signed seed
+        raise CliError(f"--seed must be an integer in [-2**63, 2**63), got {args.seed}")
     sampling = _sampling_config(args)
     _check_prompt(args.prompt)
     path = args.model or embedded_model_path()
@@ -278,7 +280,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             f"context of {context} tokens; shorten the prompt or lower --max-new-tokens"
         )
     _check_memory(loaded, len(ids), args.max_new_tokens)
-    eos = _eos_id(path)
+    eos = _eos_ids(path)
     _use_compilation_cache()  # only now: a run refused above leaves JAX's settings alone
 
     out.write(args.prompt)
@@ -294,7 +296,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         args.max_new_tokens,
         sampling=sampling,
         key=jax.random.key(args.seed),
-        eos_token_id=eos,
+        eos_token_id=list(eos) or None,
         tokens_per_call=_TOKENS_PER_CALL,
     )
     for step, tokens in enumerate(tokens_stream):
@@ -306,7 +308,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             # both include compiling, so the rate below counts later calls' tokens only.
             start = time.perf_counter()
         token = int(tokens[0])
-        if eos is not None and token == eos:
+        if token in eos:
             break
         generated += 1
         text = detokenizer.push(token)
@@ -342,17 +344,22 @@ def _stream_maker(args: argparse.Namespace, stream):
     return make
 
 
-def _eos_id(path: str) -> int | None:
+def _eos_ids(path: str) -> tuple[int, ...]:
+    """Every stop id of the checkpoint (``eos_token_id``: one id or a list, as chat models
+    that end a turn with one of several ids have it), from generation_config.json, else
+    config.json; () when neither names one."""
     for name in ("generation_config.json", "config.json"):
         file, eos = _config_value(path, name, "eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is None:
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not ids:
             continue
-        if isinstance(eos, bool) or not isinstance(eos, int):
-            raise CliError(f"{file}: key 'eos_token_id' must be a token id (an integer), got {eos!r}")
-        return eos
-    return None
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise CliError(
+                    f"{file}: key 'eos_token_id' must be a token id (an integer >= 0) or a list of them, got {eos!r}"
+                )
+        return tuple(ids)
+    return ()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -299,12 +299,14 @@ def check_prompts(
 
 def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
              chunk_size, who):
+    # The checks beam_search / sample_n / ServingLoop use (a lazy import: jaxkv.decoding imports this module).
+    from jaxkv.decoding._common import check_positive_int, check_token_id
+
     check_model(model, who)
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
         raise ValueError(f"prefill_chunk_size must be None or a Python int >= 1, got {chunk_size!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a Python int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens", who)
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a jaxkv.sampling.SamplingConfig, got {type(sampling).__name__}")
     batch, prompt_len = input_ids.shape
@@ -322,12 +324,18 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
             raise TypeError("key must be a typed PRNG key from jax.random.key(seed) (or B of them)")
         if row_keys.shape != (batch,):
             raise ValueError(f"key must be one key or {batch} keys (one per row), got shape {list(row_keys.shape)}")
+    vocab = model_vocab_size(model)
     if eos_token_id is None:
         stop = []
-    elif isinstance(eos_token_id, (int, np.integer)):
-        stop = [int(eos_token_id)]
+    elif (isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes))) or (
+        isinstance(eos_token_id, (np.ndarray, jax.Array)) and eos_token_id.ndim == 1
+    ):
+        stop = [check_token_id(t, f"eos_token_id[{i}]", vocab, who, allow_none=False)
+                for i, t in enumerate(eos_token_id)]
     else:
-        stop = [int(t) for t in eos_token_id]
+        stop = [check_token_id(eos_token_id, "eos_token_id", vocab, who)]
+    # The pad is emitted after a stop: -1 would read as NAN_TOKEN, an id >= V as a real token to no one.
+    pad_token_id = check_token_id(pad_token_id, "pad_token_id", vocab, who, allow_none=False)
     # A stop list matching no id (not even NAN_TOKEN) keeps the array non-empty for the compare.
     stop_ids = jnp.asarray(stop or [np.iinfo(np.int32).min], jnp.int32)
     padded_len = bucket_length(prompt_len) if bucket else prompt_len
@@ -337,7 +345,7 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
     if padded_len > prompt_len:
         ids = jnp.pad(ids, ((0, 0), (0, padded_len - prompt_len)), constant_values=pad_token_id)
     chunk = None if chunk_size is None or chunk_size >= padded_len else int(chunk_size)
-    return ids, prompt_lengths, row_keys, stop_ids, chunk
+    return ids, prompt_lengths, row_keys, stop_ids, chunk, pad_token_id, max_new_tokens
 
 
 def generate(
@@ -408,7 +416,7 @@ def generate(
       ...                      key=jax.random.key(0))
       >>> out.tokens, out.lengths                                            # doctest: +SKIP
     """
-    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+    ids, lengths, row_keys, stop_ids, chunk, pad_token_id, max_new_tokens = _prepare(
         model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
         prefill_chunk_size, "generate",
     )
@@ -590,7 +598,7 @@ def stream(
     """
     if not isinstance(tokens_per_call, (int, np.integer)) or isinstance(tokens_per_call, bool) or tokens_per_call < 1:
         raise ValueError(f"tokens_per_call must be a Python int >= 1, got {tokens_per_call!r}")
-    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+    ids, lengths, row_keys, stop_ids, chunk, pad_token_id, max_new_tokens = _prepare(
         model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id, pad_token_id, sampling, bucket,
         prefill_chunk_size, "stream",
     )

@@ -55,7 +55,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.caches._checks import INVALID
-from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings
+from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
+from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings, memory_place, place_sharding
 
 __all__ = [
     "FORMAT_VERSION",
@@ -69,7 +70,8 @@ __all__ = [
 ]
 
 #: Version of the file layout; a file of another version is refused with a clear error.
-FORMAT_VERSION = 1
+#: 2: the header and the extra arrays (a sequence file's token ids) carry checksums too.
+FORMAT_VERSION = 2
 _HEADER_KEY = "jaxkv"
 _CACHE, _SEQUENCE = "jaxkv.cache", "jaxkv.sequence"
 _TOKEN_IDS = "__token_ids__"
@@ -277,24 +279,43 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
         a = _host(leaf, path)
         stored = _file_array(a)
         arrays[name] = stored
-        described.append(_leaf_meta(name, a) | {"crc32": _crc(stored)})
+        place = memory_place(leaf)  # an offloaded cache's host buffers go back to host memory
+        described.append(_leaf_meta(name, a) | {"crc32": _crc(stored)} | ({"memory": list(place)} if place else {}))
+    extras = []
     for name, a in (extra or {}).items():
-        arrays[name] = _file_array(a)
+        arrays[name] = stored = _file_array(a)
+        extras.append(_leaf_meta(name, a) | {"crc32": _crc(stored)})
     header = {"format": header.pop("format"), "version": FORMAT_VERSION, "kind": _kind(tree),
               "tree": _describe(jax.tree.structure(_strip_sharding(tree)), path), "leaves": described,
-              "sharding": _describe_shardings(tree)} | header
+              "extra": extras, "sharding": _describe_shardings(tree)} | header
     _, tmp = _atomic_target(path)
     try:
-        st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(header)})
+        st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(_sealed(header))})
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
+_HEADER_CRC = "header_crc32"
+
+
+def _header_crc(header: dict) -> int:
+    body = {k: v for k, v in header.items() if k != _HEADER_CRC}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _sealed(header: dict) -> dict:
+    """The header with a CRC-32 of itself: the tree, static fields, shapes and fingerprint it
+    describes are checked like the arrays (a flipped digit would rebuild another cache)."""
+    return header | {_HEADER_CRC: _header_crc(header)}
+
+
 def _check_header(path: str, header: Any, expected: str) -> dict:
     if not isinstance(header, dict) or "format" not in header:
         raise CacheFileError(f"{path}: not a jaxkv file (no jaxkv header).")
+    if header.get("version") == FORMAT_VERSION and header.get(_HEADER_CRC) != _header_crc(header):
+        raise CacheFileError(f"{path}: the file's header fails its checksum; the file is corrupt. Save it again.")
     if header["format"] != expected:
         what = {_CACHE: "a whole cache (load_cache)", _SEQUENCE: "one sequence (load_sequence)"}
         raise CacheFileError(
@@ -331,7 +352,19 @@ def _read_safetensors(path: str, expected: str) -> tuple[dict, list[np.ndarray],
                         f"{path}: array {leaf['name']!r} fails its checksum; the file is corrupt. Save it again."
                     )
                 leaves.append(stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"]))
-            extra = {n: f.get_tensor(n) for n in names if n.startswith("__")}
+            extra = {}
+            for leaf in header.get("extra", []):
+                if leaf["name"] not in names:
+                    raise CacheFileError(f"{path}: array {leaf['name']!r} is missing; the file is damaged.")
+                stored = f.get_tensor(leaf["name"])
+                if _crc(stored) != leaf["crc32"]:
+                    raise CacheFileError(
+                        f"{path}: array {leaf['name']!r} fails its checksum; the file is corrupt. Save it again."
+                    )
+                extra[leaf["name"]] = stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"])
+            unknown = sorted(names - {leaf["name"] for leaf in header["leaves"]} - set(extra))
+            if unknown:
+                raise CacheFileError(f"{path}: arrays {unknown} are not described by the header; the file is damaged.")
     except CacheFileError:
         raise
     except (safetensors.SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as err:
@@ -442,6 +475,11 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
         _check_like(path, header, abstract, like)
         treedef = jax.tree.structure(like)
     targets = _target_shardings(abstract, like, sharding, path)
+    try:  # no layout asked for: leaves saved outside device memory (offloaded) go back there
+        targets = [place_sharding(tuple(m["memory"]), path) if t is None and "memory" in m else t
+                   for t, m in zip(targets, header["leaves"])]
+    except ValueError as err:
+        raise CacheFileError(f"{err} (or pass like= or sharding=)") from None
     if read is not None:
         leaves = read(shapes, targets)
         return _with_static_sharding(jax.tree.unflatten(treedef, leaves), None if like is not None else sharding)
@@ -476,13 +514,14 @@ def _save_orbax(path: str, cache: Any) -> None:
     ocp = _require("orbax.checkpoint")
     leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
-    described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)} for n, x in zip(names, leaves)]
+    described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)}
+                 | ({"memory": list(memory_place(x))} if memory_place(x) else {}) for n, x in zip(names, leaves)]
     # Orbax refuses zero-size arrays; the description alone rebuilds them.
     stored = [x for x in leaves if x.size]
     header = {"format": _CACHE, "version": FORMAT_VERSION, "kind": _kind(cache),
               "tree": _describe(jax.tree.structure(_strip_sharding(cache)), path), "leaves": described,
               "sharding": _describe_shardings(cache)}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(stored), jaxkv=ocp.args.JsonSave(header))
+    args = ocp.args.Composite(state=ocp.args.StandardSave(stored), jaxkv=ocp.args.JsonSave(_sealed(header)))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(os.path.abspath(path), args, force=True)
 
@@ -561,6 +600,28 @@ def _resize_seq(cache: KVCache, size_of) -> KVCache:
     return dataclasses.replace(cache, stores=tuple(stores))
 
 
+def _resize_blocks(one: KVCache, target: KVCache) -> KVCache:
+    """A paged row's block table cut or padded (with ``NO_PAGE``) to the target's pages per
+    row: another capacity. The row was cropped to at most the target's capacity, so the
+    entries cut name no page it still needs."""
+    stores = []
+    for mine, theirs in zip(one.stores, target.stores):
+        changed = {}
+        for field, axes in type(mine).LEAF_AXES.items():
+            if "blocks" not in axes:
+                continue
+            x, axis = getattr(mine, field), axes.index("blocks")
+            size = getattr(theirs, field).shape[axis]
+            if x.shape[axis] >= size:
+                changed[field] = x[(slice(None),) * axis + (slice(0, size),)]
+            else:
+                pad = [(0, 0)] * x.ndim
+                pad[axis] = (0, size - x.shape[axis])
+                changed[field] = jnp.pad(x, pad, constant_values=_NO_PAGE)
+        stores.append(dataclasses.replace(mine, **changed))
+    return dataclasses.replace(one, stores=tuple(stores))
+
+
 @jax.jit
 def _select_row(cache: KVCache, row: jax.Array) -> KVCache:
     return cache.batch_select_indices(row[None])
@@ -585,6 +646,7 @@ def _put_row(cache: KVCache, one: KVCache, row: jax.Array) -> KVCache:
     is copied once, then written in place)."""
     sizes = iter([_seq_size(s) for s in cache.stores])
     one = _resize_seq(one, lambda store: next(sizes))  # the target's capacity: cut or zero-padded
+    one = _resize_blocks(one, cache)
     emptied = cache.reset(jnp.arange(cache.batch_size) == row)
     return emptied.put_rows(row[None], dataclasses.replace(one, sharding=cache.sharding))
 
@@ -745,17 +807,18 @@ def _seq_size(store: Any) -> int | None:
 
 
 def _check_row_shapes(path: str, one: KVCache, target: KVCache) -> None:
-    """Leaves agree with the target's except the batch axis (1 row) and ``"seq"`` axes."""
+    """Leaves agree with the target's except the batch axis (1 row), the capacity (``"seq"``
+    axes, a block table's ``"blocks"``) and a page pool's size (``"pages"``)."""
+    free = ("batch", "seq", "blocks", "pages")
     for i, (mine, theirs) in enumerate(zip(one.stores, target.stores)):
         for field, axes in type(theirs).LEAF_AXES.items():
             a, b = getattr(mine, field), getattr(theirs, field)
-            skip = {j for j, name in enumerate(axes) if name in ("batch", "seq")}
-            if "batch" not in axes:
-                continue  # a pool shared by rows (pages): the kind's put_rows checks it
-            if a.ndim != b.ndim or any(x != y for j, (x, y) in enumerate(zip(a.shape, b.shape)) if j not in skip):
+            differ = a.ndim == b.ndim and [n for j, n in enumerate(axes) if n not in free and a.shape[j] != b.shape[j]]
+            if a.ndim != b.ndim or differ:
                 raise CacheFileError(
                     f"{path}: stores[{i}].{field} is {list(a.shape)} in the file (one row), the cache has "
-                    f"{list(b.shape)}; only the batch and sequence axes may differ."
+                    f"{list(b.shape)} (axes {list(axes)}): {', '.join(differ) or 'the rank'} differ(s). Only the "
+                    "batch, the capacity and a page pool's size may differ; load into a cache built like the saved one."
                 )
     if one.lengths.shape[0] != target.lengths.shape[0]:
         raise CacheFileError(f"{path}: {one.lengths.shape[0]} layers in the file, {target.lengths.shape[0]} in the cache.")

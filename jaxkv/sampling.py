@@ -28,6 +28,7 @@ __all__ = [
     "SamplingConfig",
     "TokenHistory",
     "apply_penalties",
+    "apply_temperature",
     "greedy",
     "init_history",
     "min_p_filter",
@@ -75,7 +76,9 @@ class SamplingConfig:
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would make every logit 0 or NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0
+        ):  # a bool is an int to Python, but top_k=True would silently mean greedy
             raise ValueError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -257,12 +260,30 @@ def min_p_filter(logits: jax.Array, min_p: float | None) -> jax.Array:
     return jnp.where(logits >= top + math.log(min_p), logits, -jnp.inf)
 
 
+def apply_temperature(logits: jax.Array, temperature) -> jax.Array:  # [..., V] -> float32 [..., V]
+    """``logits / temperature`` shifted by the row's max: ``(logits - max) / temperature``.
+
+    The shift leaves the softmax unchanged but keeps a tiny temperature (say 1e-40) from
+    overflowing the logits to ``+-inf``: the row's largest logit becomes 0 and the others
+    go towards ``-inf``, so the distribution tends to the argmax as the temperature -> 0.
+    ``temperature`` is a positive scalar or broadcasts against ``logits`` (``[R, 1]``).
+    Rows whose max is not finite (NaN anywhere, all ``-inf``, a ``+inf``) are not shifted,
+    so they come out as plain ``logits / temperature`` (NaN stays NaN); ``-inf`` stays ``-inf``.
+    """
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    # The max itself is pinned to 0: a temperature below float32's smallest normal may be
+    # flushed to 0 by the backend, and 0 / 0 would make the most likely token NaN.
+    return jnp.where(logits == top, 0.0, (logits - top) / temperature)
+
+
 def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Array:
     """Picks one token per row of ``logits`` [B, V] according to ``config``; int32 [B].
 
     With ``top_k`` the draw is over the k survivors only (``jax.lax.top_k`` gives them
     sorted, so top-p needs no sort over the vocabulary): the same distribution as
-    ``softmax(min_p_filter(top_p_filter(top_k_filter(logits / temperature))))``, at the
+    ``softmax(min_p_filter(top_p_filter(top_k_filter(apply_temperature(logits, temperature)))))``, at the
     cost of k rather than V per row after the top-k.
 
     The penalties are not applied here (they need the rows' history): pass the logits
@@ -270,7 +291,7 @@ def sample(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> jax.Arr
     """
     if config.is_greedy:
         return greedy(logits)
-    logits = logits.astype(jnp.float32) / config.temperature
+    logits = apply_temperature(logits, config.temperature)
     top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
     if config.top_k and config.top_k < logits.shape[-1]:
         survivors, ids = jax.lax.top_k(logits, config.top_k)  # [B, k], most likely first

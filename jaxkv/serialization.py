@@ -37,7 +37,7 @@ def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
 
     Raises:
       ValueError: a path missing from ``state``, or an array whose shape or dtype differs
-        from ``target``'s (except a ``DynamicCache``, whose lengths may differ).
+        from ``target``'s (a ``DynamicCache``'s sequence axis, its length, may differ).
     """
     who = f"restoring a {type(target).__name__}"
     grows = getattr(target, "SHAPES_GROW", False)  # a DynamicCache's arrays grow with its length
@@ -48,10 +48,16 @@ def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
         if key not in state:
             raise ValueError(f"{who}: the saved state has no array {key!r} (saved keys: {sorted(state)[:8]}...).")
         value = np.asarray(state[key])
-        if not grows and (value.shape != leaf.shape or value.dtype != leaf.dtype):
+        # A DynamicCache's layers are [B, H, S, D] and only S (axis 2) follows the length.
+        free = (2,) if grows else ()
+        same_sizes = value.ndim == leaf.ndim and all(
+            a == b for i, (a, b) in enumerate(zip(value.shape, leaf.shape)) if i not in free
+        )
+        if not same_sizes or value.dtype != leaf.dtype:
+            allowed = " (only the sequence axis may differ)" if grows else ""
             raise ValueError(
                 f"{who}: {key} was saved as {value.dtype}{list(value.shape)}, the target holds "
-                f"{leaf.dtype}{list(leaf.shape)}; build the target with the same sizes and dtype."
+                f"{leaf.dtype}{list(leaf.shape)}{allowed}; build the target with the same sizes and dtype."
             )
         sharding = getattr(leaf, "sharding", None)
         out.append(jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value))

@@ -59,6 +59,7 @@ def test_generate_streams_text_and_prints_summary(tmp_path):
         (["--repetition-penalty", "nan"], "--repetition-penalty must be a finite number"),
         (["--presence-penalty", "inf"], "--presence-penalty must be a finite number"),
         (["--frequency-penalty", "nan"], "--frequency-penalty must be a finite number"),
+        (["--seed", str(2**64)], "--seed must be an integer in [-2**63, 2**63), got 18446744073709551616"),
     ],
 )
 def test_bad_input_is_one_clean_line(args, match, capsys):
@@ -90,6 +91,32 @@ def test_sampling_flags_reach_the_sampler(monkeypatch, capsys):
     tokens = [int(t[0]) for t in stream(loaded.model, ids, 12, sampling=config, key=jax.random.key(5), eos_token_id=0)]
     tokens = tokens[: tokens.index(0)] if 0 in tokens else tokens
     assert printed == prompt + loaded.tokenizer.decode(tokens)
+
+
+def test_every_stop_id_of_the_checkpoint_ends_the_text(tmp_path, monkeypatch, capsys):
+    """eos_token_id as a list (chat models end a turn with any of several ids): the CLI stops
+    at the first of them it emits, not only at the list's first entry."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.generation import stream
+    from jaxkv.models import from_pretrained
+    from jaxkv.sampling import SamplingConfig
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    model = tmp_path / "two_stops"
+    shutil.copytree(embedded_model_path(), model)
+    prompt, loaded = "def add(a, b):", from_pretrained(model)
+    ids = jnp.asarray([loaded.tokenizer.encode(prompt).ids], jnp.int32)
+    greedy = [int(t[0]) for t in stream(loaded.model, ids, 8, sampling=SamplingConfig(), key=jax.random.key(0))]
+    greedy = greedy[: greedy.index(0)] if 0 in greedy else greedy  # 0: the model's own end of text
+    at = next(i for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": [0, greedy[at]]}))
+    assert main(["generate", prompt, "--model", str(model), "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    printed, summary = capsys.readouterr().out.rsplit("\n[jaxkv]", 1)
+    assert printed == prompt + loaded.tokenizer.decode(greedy[:at])
+    assert f"| new {at} tokens |" in summary
 
 
 @pytest.fixture

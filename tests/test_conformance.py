@@ -598,6 +598,28 @@ def test_flax_serialization_round_trip(kind):
         serialization.from_bytes(filled(kind).batch_select_indices(jnp.array([0])), serialization.to_bytes(cache))
 
 
+def test_dynamic_cache_flax_round_trip_lets_only_the_length_differ():
+    from flax import serialization
+
+    import jaxkv.nnx  # noqa: F401
+
+    def dyn(t, dtype=jnp.float32, batch=1):
+        k = jnp.arange(batch * H * t * D, dtype=dtype).reshape(batch, H, t, D)
+        return DynamicCache.from_legacy_cache([(k, k + 1)] * L)
+
+    saved = serialization.to_bytes(dyn(5))
+    back = serialization.from_bytes(dyn(3), saved)  # a target of another length: the saved one
+    assert back.get_seq_length(0) == 5
+    chex.assert_trees_all_equal(back, dyn(5))
+    for other, what in ((dyn(3, jnp.bfloat16), r"saved as float32\[1, 2, 5, 8\], the target holds bfloat16"),
+                        (dyn(3, batch=2), r"the target holds float32\[2, 2, 3, 8\] \(only the sequence axis")):
+        with pytest.raises(ValueError, match=what):
+            serialization.from_bytes(other, saved)
+    state = {k: np.ones((7,), np.int8) for k in jaxkv.serialization.to_state_dict(dyn(3))}
+    with pytest.raises(ValueError, match=r"saved as int8\[7\]"):
+        jaxkv.serialization.from_state_dict(dyn(3), state)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_caches_are_written_in_place(dtype):
     """XLA:CPU rewrites a whole bf16/f16 array around an in-place write; a 16-bit cache is

@@ -82,6 +82,9 @@ def test_errors():
         beam_search(model, ids, 4, num_beams=2, eos_token_id=10_000)
     with pytest.raises(ValueError, match="num_beams"):
         beam_search(model, ids, 4, num_beams=0)
+    for bad in (float("nan"), float("inf"), -float("inf"), True, "1.0"):
+        with pytest.raises(ValueError, match="length_penalty must be a finite real number"):
+            beam_search(model, ids, 4, num_beams=2, length_penalty=bad)
 
 
 # ------------------------------------------------------------------ transformers parity

@@ -69,6 +69,12 @@ def test_errors(target):
         speculative_generate(target, target, IDS, 4, config=SamplingConfig(temperature=1.0))
     with pytest.raises(ValueError, match="num_draft_tokens must be a Python int >= 1"):
         speculative_generate(target, target, IDS, 4, num_draft_tokens=0)
+    sampled = SamplingConfig(temperature=1.0)
+    for bad in (0, np.array([0, 1], np.int32)):  # key=0 used to fail with AttributeError
+        with pytest.raises(TypeError, match="speculative_generate: key must be a typed PRNG key from jax.random.key"):
+            speculative_generate(target, target, IDS, 4, config=sampled, key=bad)
+    with pytest.raises(ValueError, match=r"key must be one PRNG key \(shape \(\)\), got shape \[2\]"):
+        speculative_generate(target, target, IDS, 4, config=sampled, key=jax.random.split(jax.random.key(0)))
 
 
 # ------------------------------------------------------------------ sampling statistics

@@ -64,6 +64,11 @@ def test_sampled_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(model):
     assert together == [r.tokens for r in cold.run(reqs)]
     alone = [cold.run([r])[0].tokens for r in reqs[:2]]  # the other rows empty
     assert together[:2] == alone
+    # NumPy scalars are numbers too (they used to be refused as "must be a finite number").
+    import numpy as np
+
+    numpy_scalars = EngineRequest(PROMPTS[0], N, temperature=np.float32(0.8), top_p=np.float32(0.9), seed=np.int64(10))
+    assert cold.run([numpy_scalars])[0].tokens == alone[0]
     assert len({t for toks in together for t in toks}) > N  # it did sample (not one greedy path)
 
 
@@ -128,6 +133,24 @@ def test_per_row_min_p_and_penalties_follow_their_definitions():
     np.testing.assert_allclose(got, want)  # row 1 (1.0 / 0.0 / 0.0) unchanged despite its history
 
 
+def test_tiny_temperature_gives_the_argmax():
+    # logits / 1e-37 overflowed to +-inf: the draw was the lowest overflowed id, not the argmax.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv.decoding.engine import _sample_rows
+
+    rows = 8
+    logits = (jax.random.normal(jax.random.key(0), (rows, 50)) * 100).at[:, 3].set(-jnp.inf)
+    temperature = jnp.asarray([1e-37, 1e-40] * (rows // 2), jnp.float32)
+    top_p = jnp.asarray([1.0, 1.0, 0.9, 0.9] * (rows // 4), jnp.float32)
+    min_p = jnp.asarray([0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1], jnp.float32)
+    got = _sample_rows(logits, temperature, top_p, min_p, jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(np.asarray(logits), axis=-1),
+                                  err_msg="a tiny temperature must give each row's argmax")
+
+
 def test_stop_tokens_and_streaming(model, reference):
     stop = reference[0][2]
     reqs = [EngineRequest(PROMPTS[0], N, stop_token_ids=[stop], id="a"), EngineRequest(PROMPTS[2], N, id="b")]
@@ -153,8 +176,13 @@ def test_bad_requests_are_refused(model):
         (EngineRequest([1], 2, presence_penalty=float("nan")), "presence_penalty must be a finite number"),
         (EngineRequest([1], 2, frequency_penalty=float("inf")), "frequency_penalty must be a finite number"),
         (EngineRequest([V], 2), r"\[0, 64\)"),
+        (EngineRequest([1], 2, temperature=True), "request 0 temperature must be a finite number"),
+        (EngineRequest([1], 2, top_p=True), "request 0 top_p must be a number in"),
     ]:
         with pytest.raises(ValueError, match=match):
             eng.run([bad])
+    for seed in (2.7, 2.0, True, "2"):  # 2.7 used to be truncated to 2 silently
+        with pytest.raises(TypeError, match="request 0 seed must be an int"):
+            eng.run([EngineRequest([1], 2, temperature=1.0, seed=seed)])
     with pytest.raises(ValueError, match="cannot hold one request"):
         engine(model, num_pages=3)

@@ -78,7 +78,8 @@ def test_eos_freezes_a_row_and_equals_running_rows_alone(model):
     np.testing.assert_array_equal(tokens[0, : stop_at + 1], free[0, : stop_at + 1])
     assert (tokens[0, stop_at + 1 :] == VOCAB - 1).all()  # frozen: padding after the stop token
     for row, p in enumerate(prompts):
-        alone = generate(model, p[None], 12, eos_token_id=eos, pad_token_id=VOCAB - 1)
+        # 0-d integer arrays are token ids too (jnp.int32 used to fail with a TypeError).
+        alone = generate(model, p[None], 12, eos_token_id=jnp.int32(eos), pad_token_id=np.int64(VOCAB - 1))
         np.testing.assert_array_equal(alone.tokens[0], tokens[row])
         assert int(alone.lengths[0]) == lengths[row]
     # The other row went on decoding past row 0's stop.
@@ -105,7 +106,9 @@ def test_stream_equals_generate_and_donates(model, tokens_per_call):
     prompts, padded = ragged(np.random.default_rng(6), [4, 2])
     key, lengths = jax.random.key(11), np.array([4, 2])
     run = partial(generate, model, padded, 9, prompt_lengths=lengths, sampling=SAMPLED, key=key)
-    free = np.asarray(run(eos_token_id=[VOCAB, VOCAB + 1]).tokens)  # ids no row emits: the same program
+    unused = [VOCAB - 2, VOCAB - 1]  # ids no row emits (checked): the same program as two real stops
+    free = np.asarray(run(eos_token_id=unused).tokens)
+    assert not np.isin(free, unused).any(), f"pick other unused stop ids than {unused}: {free.tolist()}"
     eos = [int(free[0, 5]), int(free[1, 6])]  # row 0 stops by step 5, row 1 by step 6
     want = run(eos_token_id=eos)
     s = stream(model, padded, 9, prompt_lengths=lengths, sampling=SAMPLED, key=key, eos_token_id=eos,
@@ -138,6 +141,27 @@ def test_stream_equals_generate_and_donates(model, tokens_per_call):
 def test_generate_bad_sampling_inputs(model, kwargs, error, match):
     with pytest.raises(error, match=match):
         generate(model, np.ones((2, 3), np.int32), 4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((4,), dict(eos_token_id=VOCAB), r"generate: eos_token_id must be None or a token id in \[0, 128\), got 128"),
+        ((4,), dict(eos_token_id=[7, 10**6]), r"generate: eos_token_id\[1\] must be a token id in \[0, 128\), got 1000000"),
+        ((4,), dict(eos_token_id=True), "eos_token_id must be None or a token id"),
+        ((4,), dict(eos_token_id=7.0), "eos_token_id must be None or a token id"),
+        ((4,), dict(pad_token_id=-1), r"generate: pad_token_id must be a token id in \[0, 128\), got -1"),  # NAN_TOKEN
+        ((4,), dict(pad_token_id=VOCAB), "pad_token_id must be a token id"),
+        ((4,), dict(pad_token_id=None), "pad_token_id must be a token id"),
+        ((True,), {}, "generate: max_new_tokens must be a Python int >= 1, got True"),
+    ],
+)
+def test_generate_and_stream_refuse_bad_stop_pad_and_lengths(model, args, kwargs, match):
+    # The checks (and messages) of beam_search / sample_n / ServingLoop; nothing compiles.
+    with pytest.raises(ValueError, match=match):
+        generate(model, np.ones((1, 3), np.int32), *args, **kwargs)
+    with pytest.raises(ValueError, match=match.replace("generate", "stream")):
+        stream(model, np.ones((1, 3), np.int32), *args, **kwargs)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ On CPU the host and the device share RAM: these tests check the semantics and th
 buffer is in the memory kind the module claims, not a capacity gain.
 """
 
+import pickle
 import re
 
 import jax
@@ -45,6 +46,26 @@ def _assert_memory_kinds(cache):
 def test_cpu_has_pinned_host_memory():
     assert host_memory_kind() == "pinned_host"
     _assert_memory_kinds(OffloadedCache.init(**SIZES))
+
+
+@pytest.mark.parametrize("how", ["pickle", "safetensors", "orbax"])
+def test_saved_and_restored_cache_is_still_offloaded(how, tmp_path):
+    """pickle and load_cache (no like=) put the host buffers back in host memory: in device
+    memory the cache would no longer be offloaded though its static fields say it is."""
+    import chex
+
+    cache = _pass(OffloadedCache.init(**SIZES), _states(0), _states(1), num_new=jnp.array([3, 1]))[0]
+    if how == "pickle":
+        back = pickle.loads(pickle.dumps(cache))
+    else:
+        path = tmp_path / ("c.safetensors" if how == "safetensors" else "c")
+        jaxkv.save_cache(path, cache, format=how)
+        back = jaxkv.load_cache(path)
+    _assert_memory_kinds(back)
+    chex.assert_trees_all_equal(back, cache)
+    if how != "orbax":  # (an Orbax-restored one's next host write lands in device memory: an open issue)
+        after, _ = _pass(back, _states(2, tokens=1), _states(3, tokens=1))
+        _assert_memory_kinds(after)
 
 
 def test_writes_and_row_ops_equal_a_static_cache_eager_and_jitted():

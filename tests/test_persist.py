@@ -5,8 +5,10 @@ must give back every leaf bit for bit, whatever the values mean.
 """
 
 import dataclasses
+import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -149,6 +151,22 @@ def test_damaged_files_are_clear_errors(tmp_path):
     bad.write_bytes(bytes(flipped))
     with pytest.raises(CacheFileError, match=rf"{bad}: array .* fails its checksum"):
         load_cache(bad)
+    # One bit of the JSON header (a ring's window, 4 -> 5): the header has its own checksum,
+    # or the file would load as another cache.
+    ring = tmp_path / "ring.safetensors"
+    save_cache(ring, make("sliding"))
+    data = bytearray(ring.read_bytes())
+    size = struct.unpack("<Q", bytes(data[:8]))[0]
+    header = json.loads(json.loads(bytes(data[8:8 + size]))["__metadata__"]["jaxkv"])
+    window = make("sliding").stores[0].window
+    at = data.index(b"RingStorage", 8, 8 + size)
+    at = data.index(str(window).encode(), at)
+    data[at] ^= 0x01
+    ring.write_bytes(bytes(data))
+    assert header["header_crc32"]
+    with pytest.raises(CacheFileError, match=rf"{ring}: the file's header fails its checksum"):
+        load_cache(ring)
+    ring.unlink()
     plain = tmp_path / "plain.safetensors"
     save_file({"x": np.zeros(3, np.float32)}, str(plain))
     with pytest.raises(CacheFileError, match="not a jaxkv file"):
@@ -256,6 +274,23 @@ def test_paged_sequence_round_trip(tmp_path):
     for field in ("keys", "values"):
         want = np.asarray(getattr(store, field))[:, [5, 1]]
         np.testing.assert_array_equal(bits(np.asarray(getattr(new, field))[:, pages]), bits(want))
+    # Into caches of other capacities (block tables of 8 and 2 pages per row): the row's pages
+    # are the same; into 8 tokens (2 pages) the 6 fit; page size or heads of another value
+    # are a CacheFileError naming the axis.
+    for max_length in (32, 8):
+        other, k = load_sequence(path, make("paged", batch_size=1, max_length=max_length), 0,
+                                 model_fingerprint="m", token_ids=range(6))
+        assert k == 6 and other.lengths[:, 0].tolist() == [6, 6]
+        table = np.asarray(other.stores[0].block_table)[0]
+        assert table.shape == (max_length // 4,) and (table[:2] >= 0).all() and (table[2:] == -1).all()
+        for field in ("keys", "values"):
+            got = np.asarray(getattr(other.stores[0], field))[:, table[:2]]
+            np.testing.assert_array_equal(bits(got), bits(np.asarray(getattr(store, field))[:, [5, 1]]))
+    from jaxkv.caches.paged import PagedCache
+
+    pages8 = PagedCache.init(num_layers=2, max_length=16, page_size=8, **dict(SIZES, batch_size=1))
+    with pytest.raises(CacheFileError, match=r"stores\[0\]\.keys is .*: page differ"):
+        load_sequence(path, pages8, 0, model_fingerprint="m", token_ids=range(6))
 
 
 def test_sequence_errors(tmp_path):
@@ -278,6 +313,18 @@ def test_sequence_errors(tmp_path):
     cut.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(CacheFileError, match=rf"{cut}: truncated or corrupt"):
         load_sequence(cut, target, 0, model_fingerprint="model-a", token_ids=range(6))
+    # A changed token id would restore token 5's keys and values as those of another token.
+    data = bytearray(path.read_bytes())
+    size = struct.unpack("<Q", bytes(data[:8]))[0]
+    begin, end = json.loads(bytes(data[8:8 + size]))["__token_ids__"]["data_offsets"]
+    ids = np.frombuffer(bytes(data[8 + size + begin:8 + size + end]), np.int32).copy()
+    np.testing.assert_array_equal(ids, range(6))
+    ids[5] = 99
+    data[8 + size + begin:8 + size + end] = ids.tobytes()
+    bad_ids = tmp_path / "ids.safetensors"
+    bad_ids.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match=rf"{bad_ids}: array '__token_ids__' fails its checksum"):
+        load_sequence(bad_ids, target, 0, model_fingerprint="model-a", token_ids=[0, 1, 2, 3, 4, 99])
     with pytest.raises(ValueError, match="token_ids has 5 ids, row 0 holds 6 tokens"):
         save_sequence(path, src, 0, model_fingerprint="m", token_ids=range(5))
     with pytest.raises(ValueError, match=r"holds \[6, 2\] tokens per layer"):

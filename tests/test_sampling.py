@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.sampling import SamplingConfig, greedy, sample, top_k_filter, top_p_filter
+from jaxkv.sampling import SamplingConfig, apply_temperature, greedy, sample, top_k_filter, top_p_filter
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
@@ -37,6 +37,26 @@ def test_top_k_one_and_tiny_temperature_equal_greedy():
         np.testing.assert_array_equal(sample(logits, key, SamplingConfig(temperature=0.0)), want)
 
 
+@pytest.mark.parametrize("temperature, scale", [(1e-37, 100.0), (1e-38, 3.0), (1e-40, 3.0)])
+def test_tiny_temperature_gives_the_argmax(temperature, scale):
+    # logits / temperature used to overflow to +-inf (or divide by a flushed 0): the draw
+    # was then the lowest id of the overflowed tokens, not the argmax of the T -> 0 limit.
+    from jaxkv.decoding._common import filtered_logits
+
+    logits = jax.random.normal(jax.random.key(0), (8, 50)) * scale
+    logits = logits.at[:, 3].set(-jnp.inf)  # a masked token stays masked
+    want = np.asarray(greedy(logits))
+    for kwargs in (dict(), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        config = SamplingConfig(temperature=temperature, **kwargs)
+        got = np.asarray(sample(logits, jax.random.key(1), config))
+        np.testing.assert_array_equal(got, want, err_msg=f"sample with {kwargs} is not the argmax at T={temperature}")
+        probs = np.asarray(jax.nn.softmax(filtered_logits(logits, config), axis=-1))
+        np.testing.assert_array_equal(probs, np.eye(50)[want], err_msg=f"filtered_logits with {kwargs} is not one-hot")
+    # NaN rows stay NaN (select_token turns them into NAN_TOKEN); -inf stays -inf.
+    scaled = np.asarray(jax.jit(apply_temperature)(logits.at[0, 7].set(jnp.nan), temperature))
+    assert np.isnan(scaled[0, 7]) and np.isneginf(scaled[:, 3]).all() and (scaled[np.arange(1, 8), want[1:]] == 0).all()
+
+
 def test_same_key_same_tokens_different_key_differs():
     logits = jnp.zeros((64, 100))
     config = SamplingConfig(temperature=1.0, top_p=0.9)
@@ -57,7 +77,7 @@ def test_sampling_frequencies_follow_filtered_distribution():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
+    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_k=True), "top_k must be a non-negative int or None, got True"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
      (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"), (dict(min_p=float("nan")), "min_p"),
      (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
      (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),

@@ -512,12 +512,17 @@ class KVCache:
         # A sharded cache's static NamedSharding holds a Mesh of live devices, which cannot
         # be pickled: store host arrays and the mesh by axis names, shape and device ids,
         # and rebuild it (same devices) on load.
+        # Leaves in another memory than the device's (an offloaded cache's pinned_host
+        # buffers) are put back there, or a "larger than device memory" cache would come
+        # back in device memory while its static fields still say offloaded.
         leaves, treedef = jax.tree.flatten(dataclasses.replace(self, sharding=None))
         mesh = None
         if self.sharding is not None:
             m = self.sharding.mesh
             mesh = (tuple(m.axis_names), np.vectorize(lambda d: d.id)(m.devices), tuple(self.sharding.spec))
-        return _restore, (treedef, [np.asarray(x) for x in leaves], mesh)
+        places = [memory_place(x) for x in leaves]
+        args = (treedef, [np.asarray(x) for x in leaves], mesh)
+        return _restore, args + ((places,) if any(places) else ())
 
     # ---- internals
 
@@ -718,7 +723,43 @@ def _tree_shardings(cache: KVCache, mesh: Any, spec: tuple) -> KVCache:
     )
 
 
-def _restore(treedef, leaves, mesh):
+def memory_place(x: Any) -> tuple[int, str] | None:
+    """``(device id, memory kind)`` of a single-device array outside device memory (an
+    offloaded cache's ``pinned_host`` buffers), else None."""
+    sharding = getattr(x, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or kind in (None, "device"):
+        return None
+    (device,) = sharding.device_set
+    return device.id, kind
+
+
+def put_in_place(x: Any, place: tuple[int, str] | None, who: str) -> Array:
+    """``x`` on the device and memory kind :func:`memory_place` recorded (None: default)."""
+    target = place_sharding(place, who)
+    return jnp.asarray(x) if target is None else jax.device_put(x, target)
+
+
+def place_sharding(place: tuple[int, str] | None, who: str) -> Any:
+    """The ``SingleDeviceSharding`` of a recorded :func:`memory_place` (None: default)."""
+    if place is None:
+        return None
+    by_id = {d.id: d for d in jax.devices()}
+    device_id, kind = place
+    if device_id not in by_id or kind not in {m.kind for m in by_id[device_id].addressable_memories()}:
+        raise ValueError(
+            f"{who}: an array was saved in the {kind!r} memory of device {device_id}, which this process "
+            "lacks; load it where that memory exists, or save a copy that is not offloaded."
+        )
+    return jax.sharding.SingleDeviceSharding(by_id[device_id], memory_kind=kind)
+
+
+def _restore(treedef, leaves, mesh, places=None):
+    if places is not None:
+        try:
+            leaves = [put_in_place(x, p, "unpickling a cache") for x, p in zip(leaves, places)]
+        except ValueError as err:
+            raise pickle.UnpicklingError(str(err)) from None
     cache = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
     if mesh is None:
         return cache

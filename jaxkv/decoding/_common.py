@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.caches import KVCache
-from jaxkv.sampling import SamplingConfig, min_p_filter, top_k_filter, top_p_filter
+from jaxkv.sampling import SamplingConfig, apply_temperature, min_p_filter, top_k_filter, top_p_filter
 
 
 def forward(
@@ -43,7 +43,7 @@ def filtered_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:  # 
     first, with the rows' history (:func:`jaxkv.sampling.apply_penalties`).
     """
     shape = logits.shape
-    flat = logits.reshape(-1, shape[-1]).astype(jnp.float32) / config.temperature
+    flat = apply_temperature(logits.reshape(-1, shape[-1]), config.temperature)
     if config.top_k:
         flat = top_k_filter(flat, config.top_k)
     if config.top_p is not None:
@@ -66,13 +66,38 @@ def check_positive_int(value: Any, name: str, who: str) -> int:
     return int(value)
 
 
-def check_token_id(value: Any, name: str, vocab_size: int, who: str) -> int | None:
-    """``None`` or a token id in ``[0, vocab_size)`` as a Python int."""
-    if value is None:
+def _integral(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (Python, NumPy, or a concrete 0-d integer
+    array such as ``jnp.int32(7)``), else None. Bools are not integers here."""
+    if isinstance(value, (bool, np.bool_)):
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
-        raise ValueError(f"{who}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
-    return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if (
+        isinstance(value, (np.ndarray, jax.Array))
+        and not isinstance(value, jax.core.Tracer)
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    ):
+        return int(value)
+    return None
+
+
+def check_token_id(
+    value: Any, name: str, vocab_size: int | None, who: str, *, allow_none: bool = True
+) -> int | None:
+    """``None`` (when ``allow_none``) or a token id in ``[0, vocab_size)`` as a Python int.
+
+    Integers of any kind count (Python, NumPy, concrete 0-d integer arrays), bools do not.
+    ``vocab_size`` None (a model without ``config.vocab_size``) checks ``>= 0`` only.
+    """
+    if value is None and allow_none:
+        return None
+    token = _integral(value)
+    if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
+        wanted = "a token id >= 0" if vocab_size is None else f"a token id in [0, {vocab_size})"
+        raise ValueError(f"{who}: {name} must be {'None or ' if allow_none else ''}{wanted}, got {value!r}")
+    return token
 
 
 def check_request(

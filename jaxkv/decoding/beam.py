@@ -33,6 +33,8 @@ each hypothesis' length.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from functools import partial
 from typing import Any
 
@@ -264,6 +266,15 @@ def beam_search(
         raise ValueError(f"{who}: num_return_sequences ({r}) must be <= num_beams ({k})")
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"{who}: early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if (
+        isinstance(length_penalty, bool)
+        or not isinstance(length_penalty, numbers.Real)
+        or not math.isfinite(float(length_penalty))
+    ):
+        raise ValueError(
+            f"{who}: length_penalty must be a finite real number (e.g. 1.0), got {length_penalty!r}; "
+            "nan, inf and bools give meaningless scores"
+        )
     vocab = model.config.vocab_size
     eos = check_token_id(eos_token_id, "eos_token_id", vocab, who)
     pad = check_token_id(pad_token_id, "pad_token_id", vocab, who)

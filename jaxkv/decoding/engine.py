@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import numbers
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -60,7 +61,7 @@ from flax import nnx
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
 from jaxkv.decoding._common import check_positive_int, check_request, forward
-from jaxkv.sampling import SamplingConfig, TokenHistory, penalise, record_tokens, token_counts
+from jaxkv.sampling import SamplingConfig, TokenHistory, apply_temperature, penalise, record_tokens, token_counts
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
 
@@ -189,9 +190,14 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def _is_real(value: Any) -> bool:
+    """A real number (Python or NumPy, e.g. ``np.float32(0.5)``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _sample_rows(logits, temperature, top_p, min_p, seeds, index):  # [R, V], [R] each -> int32 [R]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = apply_temperature(logits, jnp.where(temperature > 0, temperature, 1.0)[:, None])
     filtered = _per_row_top_p(scaled, top_p)
     # min-p after top-p (HF's order); log(0) = -inf keeps every token of a row without it.
     top = jnp.max(filtered, axis=-1, keepdims=True)
@@ -326,11 +332,16 @@ class PagedEngine:
         check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
                       f"request {index}")
         t = request.temperature
-        if not (isinstance(t, (int, float)) and np.isfinite(t) and t >= 0):
-            raise ValueError(f"{who}: request {index} temperature must be a finite number >= 0, got {t!r}")
+        if not (_is_real(t) and np.isfinite(t) and t >= 0):
+            raise ValueError(f"{who}: request {index} temperature must be a finite number >= 0 (0 is greedy), "
+                             f"got {t!r}")
         p = request.top_p
-        if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
-            raise ValueError(f"{who}: request {index} top_p must be in (0, 1] or None, got {p!r}")
+        if p is not None and not (_is_real(p) and 0 < p <= 1):
+            raise ValueError(f"{who}: request {index} top_p must be a number in (0, 1] or None, got {p!r}")
+        seed = request.seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"{who}: request {index} seed must be an int (e.g. seed=0), got {seed!r} of type "
+                            f"{type(seed).__name__}; a non-integral seed would be truncated")
         try:  # the penalties and min-p: SamplingConfig's own checks and messages
             SamplingConfig(min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
@@ -521,7 +532,7 @@ class PagedEngine:
                 temperature[j] = req.temperature
                 top_p[j] = 1.0 if req.top_p is None else req.top_p
                 min_p[j] = req.min_p or 0.0
-                seeds[j] = np.uint32(req.seed % 2**32)
+                seeds[j] = np.uint32(int(req.seed) % 2**32)
                 index[j] = len(generated[run.index])
                 rep[j], pres[j], freq[j] = req.repetition_penalty, req.presence_penalty, req.frequency_penalty
                 emits[j] = run.written + k >= len(run.prompt)

@@ -227,6 +227,19 @@ def _speculative(
     return c["out"][:, :n], c["accepted"], c["rounds"]
 
 
+def _check_key(key: Any, who: str) -> jax.Array:
+    """One typed PRNG key (legacy ``jax.random.PRNGKey`` data, uint32 [2], is wrapped)."""
+    dtype = getattr(key, "dtype", None)
+    if isinstance(key, jax.Array) and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"{who}: key must be one PRNG key (shape ()), got shape {list(key.shape)}; "
+                             "pass key=jax.random.key(seed)")
+        return key
+    if getattr(key, "shape", None) == (2,) and dtype == jnp.uint32:  # jax.random.PRNGKey(seed)
+        return jax.random.wrap_key_data(jnp.asarray(key))
+    raise TypeError(f"{who}: key must be a typed PRNG key from jax.random.key(seed), got {key!r}")
+
+
 def speculative_generate(
     target: nnx.Module,
     draft: nnx.Module,
@@ -288,8 +301,7 @@ def speculative_generate(
         if not config.is_greedy:
             raise ValueError(f"{who}: sampling (temperature > 0) needs a key, e.g. key=jax.random.key(0)")
         key = jax.random.key(0)
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
+    key = _check_key(key, who)
     t_graphdef, t_state = nnx.split(target)
     d_graphdef, d_state = nnx.split(draft)
     tokens, accepted, rounds = _speculative(
