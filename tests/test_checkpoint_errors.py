@@ -94,4 +94,8 @@ def test_cli_reports_a_bad_eos_token_id(checkpoint, capsys):
     assert main(["generate", "x", "--model", str(directory)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"jaxkv: error: {directory / 'generation_config.json'}: key 'eos_token_id' must be a token id "
-                   "(an integer), got '0'"]
+                   "(an integer >= 0) or a list of them, got '0'"]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, -3]}))
+    assert main(["generate", "x", "--model", str(directory)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("or a list of them, got [0, -3]"), err
