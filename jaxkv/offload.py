@@ -193,7 +193,9 @@ class HostStorage:
         if not self.offloaded:
             return scatter_slots(buffer, layer, states, slot)
         # Only the tokens are moved explicitly; XLA places the small index operands.
-        return _host_scatter(buffer, jnp.asarray(layer, jnp.int32), _to_host(states), slot)
+        # The result is put in host memory explicitly: left to placement propagation it lands
+        # in device memory for some argument placements (e.g. a cache restored by Orbax).
+        return _to_host(_host_scatter(buffer, jnp.asarray(layer, jnp.int32), _to_host(states), slot))
 
     def staged_at(self, layer: Any) -> HostStorage:
         """This storage with ``layer`` copied to the device (a synchronous restage)."""
