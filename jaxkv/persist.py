@@ -342,8 +342,7 @@ def _read_safetensors(path: str, expected: str) -> tuple[dict, list[np.ndarray],
             raw = (f.metadata() or {}).get(_HEADER_KEY)
             names = set(f.keys())
             header = _check_header(path, json.loads(raw) if raw else None, expected)
-            leaves = []
-            for leaf in header["leaves"]:
+            def checked(leaf: dict) -> np.ndarray:  # one described array, its checksum verified
                 if leaf["name"] not in names:
                     raise CacheFileError(f"{path}: array {leaf['name']!r} is missing; the file is damaged.")
                 stored = f.get_tensor(leaf["name"])
@@ -351,17 +350,10 @@ def _read_safetensors(path: str, expected: str) -> tuple[dict, list[np.ndarray],
                     raise CacheFileError(
                         f"{path}: array {leaf['name']!r} fails its checksum; the file is corrupt. Save it again."
                     )
-                leaves.append(stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"]))
-            extra = {}
-            for leaf in header.get("extra", []):
-                if leaf["name"] not in names:
-                    raise CacheFileError(f"{path}: array {leaf['name']!r} is missing; the file is damaged.")
-                stored = f.get_tensor(leaf["name"])
-                if _crc(stored) != leaf["crc32"]:
-                    raise CacheFileError(
-                        f"{path}: array {leaf['name']!r} fails its checksum; the file is corrupt. Save it again."
-                    )
-                extra[leaf["name"]] = stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"])
+                return stored.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"])
+
+            leaves = [checked(leaf) for leaf in header["leaves"]]
+            extra = {leaf["name"]: checked(leaf) for leaf in header.get("extra", [])}
             unknown = sorted(names - {leaf["name"] for leaf in header["leaves"]} - set(extra))
             if unknown:
                 raise CacheFileError(f"{path}: arrays {unknown} are not described by the header; the file is damaged.")
