@@ -74,6 +74,12 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
 
     def __post_init__(self):
+        for name, optional in (("temperature", False), ("top_p", True), ("min_p", True), ("repetition_penalty", False)):
+            value = getattr(self, name)  # a real number (NumPy's too), never a bool or a string
+            if (value is None and optional) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+                continue
+            raise ValueError(f"{name} must be a real number{' or None' if optional else ''}, "
+                             f"got {value!r} of type {type(value).__name__}")
         if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would make every logit 0 or NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature!r}")
         if self.top_k is not None and (

@@ -77,7 +77,7 @@ def test_sampling_frequencies_follow_filtered_distribution():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_k=True), "top_k must be a non-negative int or None, got True"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
+    [(dict(temperature=-1.0), "temperature must be finite and >= 0"), (dict(temperature=float("inf")), "finite"), (dict(temperature=float("nan")), "finite"), (dict(top_k=-2), "top_k must be"), (dict(top_k=True), "top_k must be a non-negative int or None, got True"), (dict(temperature=True), "temperature must be a real number, got True of type bool"), (dict(top_p="0.9"), "top_p must be a real number or None, got '0.9'"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
      (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"), (dict(min_p=float("nan")), "min_p"),
      (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
      (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
