@@ -256,6 +256,15 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(a.reshape(-1).view(np.uint8)) if a.size else 0
 
 
+def _addressable(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _array_crc(x: Any) -> int:
+    """The CRC-32 of an array's bytes as the file stores them (a host copy of it)."""
+    return _crc(_file_array(np.asarray(x)))
+
+
 def _leaf_meta(name: str, a: np.ndarray) -> dict:
     return {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}
 
@@ -507,13 +516,15 @@ def _save_orbax(path: str, cache: Any) -> None:
     leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
     described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)}
-                 | ({"memory": list(memory_place(x))} if memory_place(x) else {}) for n, x in zip(names, leaves)]
-    # Orbax refuses zero-size arrays; the description alone rebuilds them.
+                 | ({"memory": list(memory_place(x))} if memory_place(x) else {})
+                 | ({"crc32": _array_crc(x)} if _addressable(x) else {}) for n, x in zip(names, leaves)]
+    # Orbax refuses zero-size arrays (and a checkpoint of none); the description alone rebuilds them.
     stored = [x for x in leaves if x.size]
     header = {"format": _CACHE, "version": FORMAT_VERSION, "kind": _kind(cache),
               "tree": _describe(jax.tree.structure(_strip_sharding(cache)), path), "leaves": described,
               "sharding": _describe_shardings(cache)}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(stored), jaxkv=ocp.args.JsonSave(_sealed(header)))
+    items = {"jaxkv": ocp.args.JsonSave(_sealed(header))} | ({"state": ocp.args.StandardSave(stored)} if stored else {})
+    args = ocp.args.Composite(**items)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(os.path.abspath(path), args, force=True)
 
@@ -535,13 +546,22 @@ def _open_orbax(path: str):
     def read(shapes, targets):
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         wanted = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=t or device) for s, t in zip(shapes, targets)]
+        restore = [w for w in wanted if w.size]
         try:
             with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-                args = ocp.args.Composite(state=ocp.args.StandardRestore([w for w in wanted if w.size]))
-                stored = iter(ckptr.restore(where, args)["state"])
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(restore))
+                stored = iter(ckptr.restore(where, args)["state"] if restore else [])
         except Exception as err:
             raise failed(err) from None
-        return [next(stored) if w.size else jax.device_put(np.zeros(w.shape, w.dtype), w.sharding) for w in wanted]
+        out = [next(stored) if w.size else jax.device_put(np.zeros(w.shape, w.dtype), w.sharding) for w in wanted]
+        # Each leaf's checksum (written where the saving process held the whole array):
+        # Orbax's own files carry none, so a flipped byte would load as another cache.
+        for meta, x in zip(header["leaves"], out):
+            if "crc32" in meta and _addressable(x) and _array_crc(x) != meta["crc32"]:
+                raise CacheFileError(
+                    f"{path}: array {meta['name']!r} fails its checksum; the checkpoint is corrupt. Save it again."
+                )
+        return out
 
     return header, read
 

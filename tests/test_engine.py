@@ -6,6 +6,7 @@ model has a sliding layer and a full one, with clear greedy margins (the fixture
 them), so chunked, batched, prefix-hit and preempted runs must agree token for token.
 """
 
+import numpy as np
 import pytest
 
 from jaxkv.decoding.engine import EngineRequest, PagedEngine
@@ -162,6 +163,21 @@ def test_stop_tokens_and_streaming(model, reference):
     first_stop = reference[0].index(stop)
     assert list(out[0].tokens) == reference[0][: first_stop + 1] and out[0].finish_reason == "stop"
     assert streamed == {"a": list(out[0].tokens), "b": list(out[1].tokens)}
+    # A stream abandoned after its first token (a client gone) frees its rows' pages: the
+    # pool then holds only the prefix index's pins, and a later run is served in full
+    # (it used to wait forever for pages no row would free).
+    pool = eng._cache.num_pages
+    for _ in eng.stream([EngineRequest(PROMPTS[3], N)]):
+        break
+    assert eng._cache.free_pages == pool - len(eng.prefix)
+    assert not (np.asarray(eng._cache.block_table) >= 0).any() and not np.asarray(eng._cache.lengths).any()
+    assert [list(r.tokens) for r in eng.run([EngineRequest(p, N) for p in PROMPTS])] == reference
+    # Pages pinned outside the engine's index can starve a request with no row running: an
+    # error, not a loop that never ends.
+    starved = engine(model, prefix_cache=False)
+    starved._cache = starved._cache.retain(list(range(pool - 1)))
+    with pytest.raises(RuntimeError, match=r"request 0 cannot be admitted although no row is running: only 1 of 8"):
+        starved.run([EngineRequest(PROMPTS[0], N)])
 
 
 def test_bad_requests_are_refused(model):

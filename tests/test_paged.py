@@ -184,8 +184,10 @@ def test_prefix_pages_attach_to_a_new_row_and_pins_keep_them():
         dropped.attach_prefix(1, prefix, 7)
     with pytest.raises(ValueError, match="include a free page"):
         cache.attach_prefix(1, [5], 4)
-    with pytest.raises(ValueError, match="not held"):
+    with pytest.raises(ValueError, match=r"pages \[7\] are not pinned"):
         cache.release([7])
+    with pytest.raises(ValueError, match=r"pages \[0\] are not pinned"):  # row 0's own page: no pin to release
+        cache.release(cache.row_pages(0)[:1])
 
 
 def test_put_rows_copies_pages_into_fresh_ones():
@@ -247,6 +249,26 @@ def test_bad_arguments():
         paged(bits=3)
     with pytest.raises(ValueError, match="outside"):
         paged().retain([99])
+
+
+def test_a_row_writing_nothing_copies_no_shared_page():
+    """Forked rows share a partial page. A take_rows padding entry (a copy of the last row,
+    counted by no refcount) or a row with num_new 0 must not copy it: the copy took a count
+    away from the shared page, and the other holder's next write went into it in place."""
+    rng = np.random.default_rng(13)
+    forked = write_all(paged(batch=1, num_pages=8), states(rng, 1, 6)).batch_repeat_interleave(2)
+    assert forked.free_pages == 6  # both rows hold the same 2 pages, the second partial
+    rows, k = jnp.array([0, 2]), states(rng, 2, 1)  # 2: padding, a copy of row 1
+    step = jax.jit(lambda c, k, n: c.merge_rows(rows, write_all(c.take_rows(rows), k, n)))
+    out = step(forked, k, jnp.array([1, 0]))
+    assert_accounting(out)
+    k1 = states(rng, 2, 1)
+    out = write_all(out, k1, jnp.array([0, 1]))  # row 1's own 7th token
+    assert_accounting(out)
+    host = list(np.asarray(states(np.random.default_rng(13), 1, 6))[0].transpose(1, 0, 2))
+    attention_matches(out, [host + [np.asarray(k)[0, :, 0]], host + [np.asarray(k1)[1, :, 0]]])
+    idle = write_all(forked, k, jnp.array([0, 0]))
+    assert idle.free_pages == 6 and (np.asarray(idle.block_table) == np.asarray(forked.block_table)).all()
 
 
 def test_a_step_on_taken_rows_equals_the_step_on_the_whole_cache():

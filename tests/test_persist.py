@@ -431,6 +431,28 @@ SHARDED = textwrap.dedent(
 )
 
 
+def test_orbax_checkpoint_checksums_and_an_empty_cache(tmp_path):
+    """Orbax's files carry no checksum of their own: the header keeps one per array, so a
+    flipped byte is a CacheFileError as in a safetensors file. A cache with no non-empty
+    array (an empty DynamicCache) saves and loads too (Orbax refuses an empty item)."""
+    pytest.importorskip("orbax.checkpoint")
+    import glob
+
+    cache = randomized(make("static", max_length=64))
+    path = tmp_path / "ck"
+    save_cache(path, cache, format="orbax")
+    assert_same(load_cache(path), cache)
+    data_file = max(glob.glob(str(path / "state" / "ocdbt.process_0" / "d" / "*")), key=os.path.getsize)
+    data = bytearray(open(data_file, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(data_file, "wb").write(bytes(data))
+    with pytest.raises(CacheFileError, match=rf"{path}: array .* fails its checksum"):
+        load_cache(path)
+    save_cache(tmp_path / "empty", DynamicCache(num_layers=2), format="orbax")
+    back = load_cache(tmp_path / "empty")
+    assert isinstance(back, DynamicCache) and len(back) == 2 and back.get_seq_length(1) == 0
+
+
 def test_orbax_sharded_restore_onto_other_meshes(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     result = subprocess.run(

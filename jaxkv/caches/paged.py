@@ -203,7 +203,9 @@ class PagedStorage:
         end = old + count
         blk = (old // ps)[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [B, K]
         in_range = blk < max_pages
-        touched = in_range & (blk * ps < end[:, None])
+        # A row that writes nothing touches no page (a partial shared page is not copied for it:
+        # a padding row of take_rows, counted by no refcount, would take a holder's count away).
+        touched = in_range & (count[:, None] > 0) & (blk * ps < end[:, None])
         cur = jnp.where(in_range, jnp.take_along_axis(table, jnp.minimum(blk, max_pages - 1), axis=1), NO_PAGE)
         held = cur >= 0
         holders = refcount[jnp.maximum(cur, 0)]
@@ -575,10 +577,13 @@ class PagedCache(KVCache):
             bad = host[(host >= store.num_pages) | (host < -1)]
             if bad.size:
                 raise ValueError(f"{who}: page ids {bad.tolist()} are outside [0, {store.num_pages}).")
-            if delta < 0:
-                counts = np.asarray(store.refcount)
+            if delta < 0:  # only pins are released: a row's own reference is not a pin
+                pins = np.asarray(store.refcount - _page_counts(store.block_table, store.num_pages))
                 ids, times = np.unique(host[host >= 0], return_counts=True)
-                under = ids[counts[ids] < times]
+                under = ids[pins[ids] < times]
                 if under.size:
-                    raise ValueError(f"{who}: pages {under.tolist()} are not held; release only what was retained.")
+                    raise ValueError(
+                        f"{who}: pages {under.tolist()} are not pinned (held {pins[under].tolist()} time(s) by a "
+                        "pin); release only what retain pinned. A row's own pages are freed by reset or crop."
+                    )
         return dataclasses.replace(self, stores=(store.pinned(pages, delta),))._constrained()

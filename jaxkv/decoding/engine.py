@@ -369,6 +369,21 @@ class PagedEngine:
                 yield event
 
     def _serve(self, requests: Sequence[EngineRequest]):
+        # A stream abandoned part-way (a break out of stream(), an exception) leaves rows
+        # holding pages: they are emptied when it is closed, and at the start of every run.
+        self._empty_rows()
+        try:
+            yield from self._serve_steps(requests)
+        finally:
+            self._empty_rows()
+
+    def _empty_rows(self) -> None:
+        held = np.flatnonzero((np.asarray(self._cache.block_table) >= 0).any(axis=1)
+                              | (np.asarray(self._cache.lengths) > 0).any(axis=0))
+        if held.size:
+            self._cache = self._admit(self._cache, *self._admission_arrays([(int(r), [], 0) for r in held]))
+
+    def _serve_steps(self, requests: Sequence[EngineRequest]):
         who = "PagedEngine.run"
         for index, request in enumerate(requests):
             self._check(request, index, who)
@@ -469,7 +484,13 @@ class PagedEngine:
 
             active = [row for row in range(r_rows) if rows[row] is not None]
             if not active:
-                if not waiting and not pending:
+                if waiting:  # nothing runs, so nothing will free a page: waiting would never end
+                    raise RuntimeError(
+                        f"{who}: request {waiting[0]} cannot be admitted although no row is running: only "
+                        f"{free} of {self._cache.num_pages} pages are free and no index page can be evicted. "
+                        "Release pages pinned outside the engine's index, or build the engine with more pages."
+                    )
+                if not pending:
                     break
                 step += 1
                 continue
