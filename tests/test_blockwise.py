@@ -174,6 +174,16 @@ def test_blockwise_bad_input(kwargs, match):
         blockwise_attend(q, k, k, **args)
 
 
+def test_blockwise_refuses_integer_buffers_without_kv_dtype():
+    # uint16 bits of bf16 values read as integers would attend over the raw bit patterns.
+    q, bits = jnp.zeros((2, 2, 1, 4)), jnp.zeros((2, 1, 8, 4), jnp.uint16)
+    args = dict(q_positions=jnp.zeros((2, 1), jnp.int32), kv_lengths=jnp.ones((2,), jnp.int32))
+    with pytest.raises(TypeError, match="uint16/uint16 are not a float cache; .* needs kv_dtype"):
+        blockwise_attend(q, bits, bits, **args)
+    out = blockwise_attend(q, bits, bits, kv_dtype=jnp.bfloat16, **args)  # the documented form
+    assert out.shape == (2, 2, 1, 4) and np.isfinite(np.asarray(out, np.float32)).all()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_blockwise_reads_a_stacked_cache_by_layer_index(impl):
     kv_len = np.array([13, 6])

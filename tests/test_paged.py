@@ -251,6 +251,23 @@ def test_bad_arguments():
         paged().retain([99])
 
 
+def test_a_hand_built_view_of_another_page_size_is_refused():
+    """The loop reads a block from one page or whole pages, which needs power-of-two pages
+    (PagedCache.init refuses others); a hand-built view of 24-token pages was read from the
+    wrong slots (a block clamped inside one page), silently."""
+    from jaxkv.attention.blockwise import paged_blockwise_attend
+    from jaxkv.caches.views import PagedView
+
+    pool = jnp.ones((1, 3, H, 24, D), jnp.float32)
+    empty = jnp.zeros((1, 3, H, 0))
+    view = PagedView(pool, pool, empty, empty, jnp.arange(3, dtype=jnp.int32)[None], 0, jnp.array([60], jnp.int32),
+                     None, jnp.float32, jnp.float32)
+    for implementation in ("auto", "xla"):
+        with pytest.raises(ValueError, match="page size must be a power of two, got 24"):
+            paged_blockwise_attend(jnp.ones((1, HQ, 1, D)), view, q_positions=jnp.array([[59]]), block_size=16,
+                                   implementation=implementation)
+
+
 def test_a_row_writing_nothing_copies_no_shared_page():
     """Forked rows share a partial page. A take_rows padding entry (a copy of the last row,
     counted by no refcount) or a row with num_new 0 must not copy it: the copy took a count

@@ -87,6 +87,29 @@ def test_quantizer_error_bound_zero_tokens_and_packing(bits):
     assert (np.abs(deq[1] - big[1]) <= error_bound(big[1:], bits)).all()
 
 
+def test_float16_token_at_the_dtype_max_reads_back_finite():
+    """A scale is rounded up, so 127 * scale can pass float16's largest value: a stored
+    65504 read back as inf, and the row's attention (every other value 0.5) came out NaN."""
+    from jaxkv.attention import attend_view
+
+    cache = QuantizedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=16, max_length=16, bits=8,
+                                residual_length=0, dtype=jnp.float16)
+    values = np.full((1, 1, 2, 16), 0.5, np.float32)
+    values[0, 0, 0, 0] = 65504.0
+    keys = jnp.zeros((1, 1, 2, 16), jnp.float16)
+    cache, view = cache.write(keys, jnp.asarray(values, jnp.float16), 0)
+    read = np.asarray(view.dense().values, np.float32)
+    assert np.isfinite(read).all() and read[0, 0, 0, 0] == 65504.0
+    out = np.asarray(attend_view(jnp.zeros((1, 1, 1, 16), jnp.float16), view, q_positions=jnp.array([[1]])), np.float32)
+    # Equal keys: the mean of the two tokens. Each is within scale / 2 of its int8 code
+    # (error_bound), so the mean is within the mean of the bounds, plus float16's rounding
+    # of the output (spacing 32 near 32768: 16).
+    want = values[0, 0].mean(axis=0)
+    bound = error_bound(values[0, 0], 8).mean(axis=0) + np.spacing(np.float16(np.abs(want))).astype(np.float32) / 2
+    assert np.isfinite(out).all()
+    assert (np.abs(out[0, 0, 0] - want) <= bound).all(), (out[0, 0, 0], want, bound)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_memory_ratios_against_static_cache(head_dim, dtype):

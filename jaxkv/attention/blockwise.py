@@ -141,6 +141,11 @@ def blockwise_attend(
         )
     block_size = _loop_options("blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("blockwise_attend", implementation)
+    if kv_dtype is None and not (jnp.issubdtype(keys.dtype, jnp.floating) and values.dtype == keys.dtype):
+        raise TypeError(
+            f"blockwise_attend: keys/values of dtype {keys.dtype}/{values.dtype} are not a float cache; a uint16 "
+            "buffer of 16-bit floats stored as bits needs kv_dtype (jnp.bfloat16 or jnp.float16)."
+        )
     kv_dtype = keys.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     if keys.dtype != kv_dtype and (keys.dtype != jnp.uint16 or stored_dtype(kv_dtype) != keys.dtype):
         raise ValueError(
@@ -600,6 +605,11 @@ def paged_blockwise_attend(
     block_size = _loop_options("paged_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     if block_size & (block_size - 1):
         raise ValueError(f"paged_blockwise_attend: block_size must be a power of two (pages are), got {block_size}.")
+    if page_size & (page_size - 1):  # PagedCache.init refuses them; a hand-built view is read block by page
+        raise ValueError(
+            f"paged_blockwise_attend: the view's page size must be a power of two, got {page_size} "
+            "(a block would straddle two pages); build the cache with PagedCache.init(page_size=2**k)."
+        )
     _check_implementation("paged_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
     args = (queries, view.keys, view.values, jnp.asarray(view.layer, jnp.int32), q_positions.astype(jnp.int32),
@@ -629,8 +639,6 @@ def paged_blockwise_attend(
     if implementation != "xla":
         if view.bits is not None:
             why_not = f"int{view.bits} pages; the kernel reads float pages (f32, bf16)"
-        elif page_size & (page_size - 1):
-            why_not = f"page size {page_size}; the kernel takes powers of two"
         else:
             why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True)

@@ -114,7 +114,13 @@ def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) 
         lo = ((b & 0xF) ^ 8) - 8  # sign-extend a 4-bit two's complement nibble
         hi = ((b >> 4) ^ 8) - 8
         values = jnp.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1]).astype(jnp.float32)
-    return (values * scale.astype(jnp.float32)[..., None]).astype(dtype)
+    out = values * scale.astype(jnp.float32)[..., None]
+    # A scale is rounded up, so qmax * scale may pass a narrow dtype's largest value (float16:
+    # 127 * 516 = 65532 for a stored 65504): clip, or a finite token would read back as inf.
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        top = jnp.float32(jnp.finfo(dtype).max)
+        out = jnp.clip(out, -top, top)
+    return out.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
