@@ -220,6 +220,13 @@ def jaxkv_decode_loop(model, ids: np.ndarray, steps: int):
     return run
 
 
+#: A timed loop whose tokens differ from ``jaxkv.generate``'s raises unless this is False
+#: (the one-shot device run: a mismatch is recorded in ``TOKEN_MISMATCHES`` and printed, and
+#: the figures of the other cells survive).
+STRICT_TOKENS = True
+TOKEN_MISMATCHES: list[dict] = []
+
+
 def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
     """Decode steps of ``jaxkv.generate``, timed apart from the prefill.
 
@@ -233,8 +240,14 @@ def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
 
     run = jaxkv_decode_loop(model, ids, steps)
     want = jaxkv.generate(model, jnp.asarray(ids), steps + 1).tokens
-    if not np.array_equal(np.asarray(run()), np.asarray(want)):
-        raise AssertionError("the timed decode loop's tokens differ from jaxkv.generate's")
+    got = np.asarray(run())
+    if not np.array_equal(got, np.asarray(want)):
+        if STRICT_TOKENS:
+            raise AssertionError("the timed decode loop's tokens differ from jaxkv.generate's")
+        first = int(np.argmax((got != np.asarray(want)).any(axis=0)))
+        TOKEN_MISMATCHES.append({"batch": int(ids.shape[0]), "context": int(ids.shape[1]), "first_step": first})
+        print(f"WARNING: B={ids.shape[0]} C={ids.shape[1]}: the timed loop's tokens differ from jaxkv.generate's "
+              f"from step {first} (recorded; timing kept)")
     samples = []
     for _ in range(repeats):
         cache = run.fresh()
@@ -368,7 +381,8 @@ def run_benchmark(config: BenchConfig, cells: list[tuple[int, int]], *, steps: i
         "torch_threads": threads or os.cpu_count(),
         "parity_greedy_tokens": parity,
         "method": {
-            "jaxkv": "(best time of generate(N+1) - best time of generate(1)) / N, warm",
+            "jaxkv": "one jitted, donated loop of N decode steps (its tokens checked equal to jaxkv.generate's) / N, "
+                     "best of R runs, compiled before the clock",
             "hf_dynamic": "median gap between logits-processor calls in one model.generate, best of R runs",
             "hf_static": "same, cache_implementation='static'",
             "nnx": "N nnx.jit single-token steps over a pre-filled MultiHeadAttention(decode=True) cache / N, "

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Issue 14's prepared accelerator run, one call of the device tool on the H200 (about 10 min;
-# run it with timeout_s 600 and give the machine back after):
+# Issue 14's prepared accelerator run, one call of the device tool on the H200 (at most
+# 120 s of tests + 420 s of benchmarks; run it with timeout_s 600). Sections run in priority
+# order and $OUT/device.json is rewritten after each, so a cut-short run keeps what it did.
+# A section that is missing or failed (device.json "errors"): rerun at once, while the
+# machine is warm (a new start costs minutes), with timeout_s = what is left, e.g.
 #
-#   bash scripts/device_run.sh                    # everything, results under $OUT
-#   SECTIONS=llama1b bash scripts/device_run.sh   # one part of bench_device.py (a rerun)
+#   bash scripts/device_run.sh                                  # everything, results under $OUT
+#   SKIP_TESTS=1 SECTIONS=generate bash scripts/device_run.sh   # a rerun of what is missing
+#
+# then give the machine back.
 #   SKIP_TESTS=1 ...                              # no pytest part
 #   BENCH_ARGS=--quick ...                        # small sizes (the CPU smoke run of this script)
 #
@@ -24,9 +29,9 @@ print(sys.version.split()[0], "jax", jax.__version__, jax.devices())
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$out/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-    JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:xdist -p no:cacheprovider \
+    JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:xdist -p no:cacheprovider \
         tests/test_pallas_gpu.py 2>&1 | tee "$out/pallas_tests.log"
 fi
-timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_device.py ${BENCH_ARGS:-} \
-    --sections "${SECTIONS:-kernels,capacity,bandwidth,loop,generate,llama1b}" --json "$out/device.json" 2>&1 \
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_device.py ${BENCH_ARGS:-} \
+    --sections "${SECTIONS:-kernels,llama1b,capacity,loop,bandwidth,generate}" --json "$out/device.json" 2>&1 \
     | tee "$out/bench_device.log"

@@ -6,7 +6,9 @@
 #   .venv/bin/python scripts/train_embedded.py --extra-train-dirs test \
 #       --extra-train-packages jax numpy networkx matplotlib pip --function-docs --write-data .devdata
 #
-# (24.8M training tokens, 49.9 MB with the validation stream: the carry limit is 64 MiB. A batch
+# (24.8M training tokens, 15.8 MB with the validation stream, zlib-compressed: the working tree
+# (18 MB) and the carry must stay under 64 MiB together, which the 49.9 MB of uncompressed
+# streams did not. A batch
 # of 64 x 512 tokens on the H200 sees the stdlib alone, 7.9M tokens, dozens of times in 7 minutes.)
 #   device run: command "bash scripts/device_train.sh", carry [".devdata"], timeout_s 600
 #

@@ -324,11 +324,12 @@ def prepare_corpus(args):
     return tok, train_ids, val_ids, corpus
 
 
-DATA_FILES = ("tokenizer.json", "train_ids.npy", "val_ids.npy", "corpus.json")
+DATA_FILES = ("tokenizer.json", "train_ids.npz", "val_ids.npz", "corpus.json")
 
 
 def write_data(path, tok, train_ids, val_ids, corpus):
-    """What ``--data`` reads: the tokenizer, both token streams (uint16) and the corpus record.
+    """What ``--data`` reads: the tokenizer, both token streams (uint16, zlib-compressed: the
+    device tool carries at most 64 MiB with the working tree) and the corpus record.
 
     A machine with another Python (the accelerator's has 3.12, this one 3.11) has another
     stdlib, so a run there trains on the data made here instead of its own.
@@ -336,8 +337,8 @@ def write_data(path, tok, train_ids, val_ids, corpus):
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    np.save(path / "train_ids.npy", train_ids)
-    np.save(path / "val_ids.npy", val_ids)
+    np.savez_compressed(path / "train_ids.npz", ids=train_ids)
+    np.savez_compressed(path / "val_ids.npz", ids=val_ids)
     (path / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
     size = sum((path / f).stat().st_size for f in DATA_FILES)
     print(f"wrote {path}: {', '.join(DATA_FILES)} ({size/1e6:.1f} MB)", flush=True)
@@ -351,8 +352,8 @@ def load_data(path):
     if missing:
         raise SystemExit(f"--data {path}: missing {', '.join(missing)}; write it with --write-data {path}")
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    train_ids = np.load(path / "train_ids.npy")
-    val_ids = np.load(path / "val_ids.npy")
+    with np.load(path / "train_ids.npz") as train, np.load(path / "val_ids.npz") as val:
+        train_ids, val_ids = train["ids"], val["ids"]
     corpus = json.loads((path / "corpus.json").read_text())
     if (len(train_ids), len(val_ids)) != (corpus["train_tokens"], corpus["val_tokens"]):
         raise SystemExit(f"--data {path}: the token files do not have the lengths corpus.json records")

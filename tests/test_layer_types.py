@@ -16,7 +16,9 @@ CASES = [
     # Llama's attention has no window: transformers ignores a sliding_window key there.
     (dict(model_type="llama", architectures=["LlamaForCausalLM"], sliding_window=4), (FULL,) * 3, None),
     (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4), (SLIDING,) * 3, 4),
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), (FULL,) * 3, None),
+    # No sliding_window key: MistralConfig's default, 4096 (a null one means no window).
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), (SLIDING,) * 3, 4096),
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None), (FULL,) * 3, None),
     # Qwen2: without use_sliding_window the window is None, whatever layer_types says.
     (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4, max_window_layers=1,
           layer_types=[FULL, SLIDING, SLIDING]), (FULL,) * 3, None),
@@ -45,3 +47,28 @@ def test_unknown_pattern_is_refused_by_both():
         layer_types_from_config(hf)
     with pytest.raises(ValueError, match="Pass layer_types"):
         HybridCache.from_config(hf, batch_size=1, max_length=8)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, num_hidden_layers=30),  # max_window_layers: 28
+        dict(model_type="qwen3", use_sliding_window=True, max_window_layers=1),  # sliding_window: 4096
+        dict(model_type="qwen2", use_sliding_window=True, num_hidden_layers=30),  # both left out
+        dict(model_type="mistral"),  # sliding_window: 4096
+        dict(model_type="mistral", sliding_window=None),
+    ],
+)
+def test_keys_config_json_leaves_out_mean_what_transformers_assumes(extra):
+    """A trimmed or hand-written config.json: transformers' config class fills the missing
+    keys with its defaults (Qwen2/3 max_window_layers 28, sliding_window 4096; Mistral
+    sliding_window 4096), and so must jaxkv, or the layers past 28 silently stop sliding."""
+    transformers = pytest.importorskip("transformers")
+    raw = {**BASE, **extra}
+    hf = transformers.AutoConfig.for_model(**raw)
+    if hasattr(hf, "layer_types") and hf.layer_types is not None:
+        want = tuple(hf.layer_types) if hf.sliding_window is not None else (FULL,) * hf.num_hidden_layers
+    else:  # Mistral: every layer uses config.sliding_window
+        want = ((SLIDING if hf.sliding_window is not None else FULL),) * hf.num_hidden_layers
+    window = hf.sliding_window if SLIDING in want else None
+    assert layer_types_from_config(raw) == (want, window)

@@ -46,8 +46,8 @@ def test_incomplete_or_inconsistent_data_is_refused(tok, tmp_path):
     (tmp_path / "corpus.json").write_text(json.dumps(record))
     with pytest.raises(SystemExit, match="do not have the lengths corpus.json records"):
         train_embedded.load_data(tmp_path)
-    (tmp_path / "val_ids.npy").unlink()
-    with pytest.raises(SystemExit, match="missing val_ids.npy; write it with --write-data"):
+    (tmp_path / "val_ids.npz").unlink()
+    with pytest.raises(SystemExit, match="missing val_ids.npz; write it with --write-data"):
         train_embedded.load_data(tmp_path)
 
 

@@ -340,6 +340,10 @@ def _split_kernel(
     parts = 2 if bits == 4 else 1  # int4: even and odd head-dim elements are separate products
     part = width // parts
     q_parts = [q_ref[:, pl.ds(i * part, part)].astype(compute_dtype) for i in range(parts)]
+    # Triton runs a float32 dot at TF32 by default (10-bit mantissas: errors near 1e-3);
+    # float32 operands are multiplied in full precision, as the float64 reference expects.
+    qk_precision = jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+    pv_precision = jax.lax.Precision.HIGHEST if jnp.dtype(value_dtype) == jnp.float32 else None
     if residual:
         rpos = rpos_ref[b, :]  # [R']
         res_lo, res_hi = bounds_ref[b, 3], bounds_ref[b, 4]
@@ -377,7 +381,8 @@ def _split_kernel(
         off = start + i * block_k
         slots = off + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         keys, values, k_scale, v_scale, bad_value = load_block(off)
-        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
+                                      preferred_element_type=jnp.float32)
                   for qp, kp in zip(q_parts, keys))  # [M, BK]
         if k_scale is not None:
             raw = raw * k_scale[None, :]
@@ -405,7 +410,8 @@ def _split_kernel(
             weights = weights * v_scale[None, :]
         weights = weights.astype(value_dtype)
         acc = [a * correction[:, None] + jax.lax.dot_general(
-            weights, vp, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) for a, vp in zip(acc, values)]
+            weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision, preferred_element_type=jnp.float32)
+            for a, vp in zip(acc, values)]
         return (new_max, running_sum, flag, *acc)
 
     carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),

@@ -21,6 +21,16 @@ _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _ALL_SLIDING_TYPES = ("mistral", "mixtral")
 # Model types whose attention has no window at all: transformers ignores sliding_window.
 _NO_WINDOW_TYPES = ("llama",)
+# What transformers' config classes assume for a key config.json leaves out (checked against
+# transformers 5.24: Qwen2Config, Qwen3Config, Qwen2MoeConfig, MistralConfig). A present but
+# null sliding_window still means no window.
+_DEFAULTS = {
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen2_moe": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen3_moe": {"sliding_window": 4096},
+}
 _TYPE_OF_ARCHITECTURE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -65,6 +75,7 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
     if not model_type:
         archs = cfg.get("architectures") or []
         model_type = next((_TYPE_OF_ARCHITECTURE[a] for a in archs if a in _TYPE_OF_ARCHITECTURE), "")
+    cfg = {**_DEFAULTS.get(model_type, {}), **cfg}  # a key left out means the class default, as in transformers
     window = cfg.get("sliding_window")
     qwen = model_type in _QWEN_TYPES
     if (qwen and not cfg.get("use_sliding_window", False)) or model_type in _NO_WINDOW_TYPES:
@@ -83,7 +94,12 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
                 f"layer_types_from_config: only {FULL!r} and {SLIDING!r} layers have a jaxkv cache, got {other}."
             )
     elif qwen:
-        first = cfg.get("max_window_layers", num_layers)
+        if "max_window_layers" not in cfg:
+            raise ValueError(
+                f"layer_types_from_config: a {model_type} config with use_sliding_window but neither layer_types "
+                "nor max_window_layers; which layers slide is not known. Pass layer_types."
+            )
+        first = cfg["max_window_layers"]
         types = tuple(SLIDING if window is not None and i >= first else FULL for i in range(num_layers))
     elif model_type in _ALL_SLIDING_TYPES or window is None:
         types = ((SLIDING if window is not None else FULL),) * num_layers
