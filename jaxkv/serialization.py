@@ -35,33 +35,81 @@ def to_state_dict(cache: Any) -> dict[str, np.ndarray]:
 def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
     """``target`` with its arrays replaced by ``state``'s, on ``target``'s shardings.
 
+    A ``DynamicCache`` anywhere in ``target`` (alone, or the self part of an
+    ``EncoderDecoderCache``) takes the saved layers whatever their length, seeded in the
+    target or not (``DynamicCache(num_layers=L)`` is a target for any saved one of L layers).
+
     Raises:
-      ValueError: a path missing from ``state``, or an array whose shape or dtype differs
-        from ``target``'s (a ``DynamicCache``'s sequence axis, its length, may differ).
+      ValueError: a path missing from ``state``, an array whose shape or dtype differs from
+        ``target``'s (a ``DynamicCache`` layer's sequence axis, its length, may differ), or
+        saved arrays the target has no place for (another layer count or structure).
     """
+    from jaxkv.caches.dynamic import DynamicCache
+
     who = f"restoring a {type(target).__name__}"
-    grows = getattr(target, "SHAPES_GROW", False)  # a DynamicCache's arrays grow with its length
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    used: set[str] = set()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: isinstance(x, DynamicCache))
     out = []
     for path, leaf in leaves:
         key = jax.tree_util.keystr(path)
-        if key not in state:
-            raise ValueError(f"{who}: the saved state has no array {key!r} (saved keys: {sorted(state)[:8]}...).")
-        value = np.asarray(state[key])
-        # A DynamicCache's layers are [B, H, S, D] and only S (axis 2) follows the length.
-        free = (2,) if grows else ()
-        same_sizes = value.ndim == leaf.ndim and all(
-            a == b for i, (a, b) in enumerate(zip(value.shape, leaf.shape)) if i not in free
+        if isinstance(leaf, DynamicCache):
+            out.append(_restore_dynamic(leaf, state, key, who, used))
+            continue
+        out.append(_restore_array(leaf, state, key, who, free=()))
+        used.add(key)
+    unused = sorted(set(state) - used)
+    if unused:
+        raise ValueError(
+            f"{who}: the saved state has arrays the target has no place for: {unused[:8]}; build the target "
+            "with the same kind and layer count as the saved cache."
         )
-        if not same_sizes or value.dtype != leaf.dtype:
-            allowed = " (only the sequence axis may differ)" if grows else ""
-            raise ValueError(
-                f"{who}: {key} was saved as {value.dtype}{list(value.shape)}, the target holds "
-                f"{leaf.dtype}{list(leaf.shape)}{allowed}; build the target with the same sizes and dtype."
-            )
-        sharding = getattr(leaf, "sharding", None)
-        out.append(jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _restore_array(leaf: Any, state: dict[str, Any], key: str, who: str, *, free: tuple[int, ...]) -> Any:
+    if key not in state:
+        raise ValueError(f"{who}: the saved state has no array {key!r} (saved keys: {sorted(state)[:8]}...).")
+    value = np.asarray(state[key])
+    same_sizes = value.ndim == leaf.ndim and all(
+        a == b for i, (a, b) in enumerate(zip(value.shape, leaf.shape)) if i not in free
+    )
+    if not same_sizes or value.dtype != leaf.dtype:
+        allowed = " (only the sequence axis may differ)" if free else ""
+        raise ValueError(
+            f"{who}: {key} was saved as {value.dtype}{list(value.shape)}, the target holds "
+            f"{leaf.dtype}{list(leaf.shape)}{allowed}; build the target with the same sizes and dtype."
+        )
+    sharding = getattr(leaf, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+
+
+def _restore_dynamic(target: Any, state: dict[str, Any], prefix: str, who: str, used: set[str]) -> Any:
+    """A DynamicCache's layers [B, H, S, D] from ``state``: any length S; a layer the target
+    has seeded must agree in dtype, B, H and D; an unseeded one takes the saved arrays."""
+    from jaxkv.caches.dynamic import DynamicCache
+
+    layers = []
+    for i, mine in enumerate(target.layers):
+        keys = [f"{prefix}.layers[{i}][{j}]" for j in (0, 1)]
+        present = [k in state for k in keys]
+        if not any(present):  # unseeded when saved
+            layers.append(None)
+            continue
+        if not all(present):
+            raise ValueError(f"{who}: the saved state has only one of {keys}; it is damaged.")
+        used.update(keys)
+        if mine is not None:
+            layers.append(tuple(_restore_array(x, state, k, who, free=(2,)) for x, k in zip(mine, keys)))
+            continue
+        pair = [np.asarray(state[k]) for k in keys]
+        floating = jnp.issubdtype(pair[0].dtype, jnp.floating)  # bfloat16 included
+        if pair[0].ndim != 4 or pair[0].shape != pair[1].shape or pair[0].dtype != pair[1].dtype or not floating:
+            raise ValueError(
+                f"{who}: {keys[0]} / {keys[1]} were saved as {pair[0].dtype}{list(pair[0].shape)} / "
+                f"{pair[1].dtype}{list(pair[1].shape)}; a DynamicCache layer is a pair of equal float [B, H, S, D]."
+            )
+        layers.append(tuple(jnp.asarray(x) for x in pair))
+    return DynamicCache(tuple(layers))
 
 
 def register_flax_serialization() -> None:

@@ -239,6 +239,31 @@ def test_traced_bad_row_flags_both_parts():
     assert out.encoder_lengths().tolist() == [6, 0] and int(out.flags[1]) != 0
     with pytest.raises(CacheError, match=r"rows \[1\]"):
         out.check()
+    # A traced out-of-range layer's cross view reads as empty, never as another layer (clamped).
+    for bad in (LAYERS, -1):
+        lengths = jax.jit(lambda c, i: c.cross_view(i).kv_lengths)(cache, jnp.int32(bad))
+        assert lengths.tolist() == [0, 0], (bad, lengths)
+
+
+def test_flax_restore_into_an_unseeded_dynamic_target():
+    """DynamicCache(num_layers=L) is the natural target of a saved DynamicCache (alone or as
+    the self part): its layers have no arrays yet, and the saved ones were dropped silently."""
+    from flax import serialization
+
+    import jaxkv.nnx  # noqa: F401  (registers the kinds with flax)
+
+    k = jnp.arange(2 * HKV * 5 * HD, dtype=jnp.float32).reshape(2, HKV, 5, HD)
+    saved = DynamicCache.from_legacy_cache([(k, k + 1)] * LAYERS)
+    back = serialization.from_bytes(DynamicCache(num_layers=LAYERS), serialization.to_bytes(saved))
+    chex.assert_trees_all_equal(back, saved)
+    cross = CrossAttentionCache.from_layers(_pair())
+    whole = EncoderDecoderCache.create(saved, cross)
+    for target in (DynamicCache(num_layers=LAYERS), DynamicCache.from_legacy_cache([(k[:, :, :2], k[:, :, :2])] * LAYERS)):
+        back = serialization.from_bytes(EncoderDecoderCache.create(target, cross), serialization.to_bytes(whole))
+        assert back.get_seq_length() == 5
+        chex.assert_trees_all_equal(back.self_attention, saved)
+    with pytest.raises(ValueError, match="has arrays the target has no place for"):  # fewer layers than saved
+        serialization.from_bytes(DynamicCache(num_layers=1), serialization.to_bytes(saved))
 
 
 def _pair(batch=2, enc=ENC):
@@ -252,6 +277,8 @@ def _pair(batch=2, enc=ENC):
         (lambda c: CrossAttentionCache.from_layers([]), ValueError, "at least one"),
         (lambda c: CrossAttentionCache.from_layers(_pair(), jnp.array([7, 1])), ValueError, r"lengths\[0\]=7 is outside \[0, 6\]"),
         (lambda c: CrossAttentionCache.from_layers(_pair(), jnp.array([1.0, 2.0])), TypeError, "lengths must be an int array"),
+        # int64 lengths are checked in their own dtype: 2**32 + 2 is not 2.
+        (lambda c: CrossAttentionCache.from_layers(_pair(), np.array([2**32 + 2, 1])), ValueError, r"lengths\[0\]=4294967298 is outside"),
         (lambda c: CrossAttentionCache.from_layers([_pair()[0], _pair(enc=3)[0]]), ValueError, "layer 1 has shape"),
         (lambda c: EncoderDecoderCache.create(c.self_attention, CrossAttentionCache.from_layers(_pair()[:1])), ValueError, "2 layers, the cross-attention cache 1"),
         (lambda c: EncoderDecoderCache.create(c.self_attention, CrossAttentionCache.from_layers(_pair(batch=3))), ValueError, "batch=2, the cross-attention cache batch=3"),

@@ -40,6 +40,7 @@ from jaxkv.caches._checks import (
     _is_traced,
     _layer_index,
     _raise_on_flags,
+    _write_target,
 )
 from jaxkv.caches.container import KVCache
 from jaxkv.caches.views import LayerView
@@ -114,7 +115,8 @@ class CrossAttentionCache:
         every query (positions 0, no causal order), padding is not."""
         i = _layer_index(layer_idx, self.num_layers, "CrossAttentionCache.view")
         positions = jnp.zeros((self.batch_size, self.encoder_length), jnp.int32)
-        return LayerView(self.keys[i], self.values[i], positions, self.lengths, None)
+        ok, read, _ = _write_target(i, self.num_layers)  # a bad traced layer reads as empty, not another
+        return LayerView(self.keys[read], self.values[read], positions, jnp.where(ok, self.lengths, 0), None)
 
     def _gather_rows(self, idx: Array) -> CrossAttentionCache:
         ok = (idx >= 0) & (idx < self.batch_size)
@@ -144,19 +146,20 @@ class CrossAttentionCache:
 def _check_lengths(lengths: Any, batch: int, enc: int, who: str) -> Array:
     if lengths is None:
         return jnp.full((batch,), enc, jnp.int32)
-    lengths = jnp.asarray(lengths)
+    traced = _is_traced(lengths)
+    lengths = lengths if traced else np.asarray(lengths)  # concrete: checked in its own dtype, never wrapped
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(
             f"{who}: lengths must be an int array of shape [{batch}], got shape {lengths.shape} "
             f"and dtype {lengths.dtype}."
         )
-    if not _is_traced(lengths):
-        host = np.asarray(lengths)
-        bad = (host < 0) | (host > enc)
+    if not traced:
+        bad = (lengths < 0) | (lengths > enc)
         if bad.any():
             row = int(np.argmax(bad))
-            raise ValueError(f"{who}: lengths[{row}]={int(host[row])} is outside [0, {enc}] (encoder tokens).")
-    return jnp.clip(lengths.astype(jnp.int32), 0, enc)
+            raise ValueError(f"{who}: lengths[{row}]={int(lengths[row])} is outside [0, {enc}] (encoder tokens).")
+        return jnp.asarray(lengths.astype(np.int32))
+    return jnp.clip(lengths, 0, enc).astype(jnp.int32)  # clipped in its own dtype, then narrowed
 
 
 @dataclasses.dataclass(frozen=True)
