@@ -48,6 +48,15 @@ def test_greedy_equals_target_greedy(target, reference, draft_kind, k):
         assert len(set(accepted.tolist())) > 1 and 0 < out.acceptance_rate < 1
 
 
+def test_hybrid_target_with_a_draft_without_sliding_layers():
+    """cache_kind="hybrid" is the target's; a draft with no sliding layer takes the static
+    kind (a hybrid cache of it was refused). Greedy tokens equal the uncached reference."""
+    sliding = make_model(seed=2, vocab_size=V, num_layers=2, sliding_window=3, sliding_layers=(True, False))
+    draft = make_model(seed=5, vocab_size=V, num_layers=1)
+    out = speculative_generate(sliding, draft, IDS, 8, num_draft_tokens=3, prompt_lengths=LENGTHS, cache_kind="hybrid")
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.array(greedy_reference(sliding, PROMPTS, 8)))
+
+
 def test_greedy_with_penalties_equals_penalised_generate(target, reference):
     """Every draft token and every verified position is penalised with its own prefix's history."""
     from jaxkv.generation import generate

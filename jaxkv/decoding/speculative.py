@@ -100,7 +100,11 @@ def _speculative(
     capacity = prompt_len + n + k
     # A round rolls back at most k + 1 tokens: ring layers keep that many extra slots.
     t_cache = init_model_cache(target, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
-    d_cache = init_model_cache(draft, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
+    # A hybrid target's draft may have no sliding layer (a plain small model): a hybrid cache
+    # is a ring for sliding layers only, so such a draft takes the static kind.
+    draft_slides = any(getattr(getattr(draft, "config", None), "sliding_layers", ()) or ())
+    draft_kind = "static" if cache_kind == "hybrid" and not draft_slides else cache_kind
+    d_cache = init_model_cache(draft, batch, capacity, cache_dtype, draft_kind, rollback=k + 1)
     t_logits, t_cache = forward(target_graphdef, target_state, input_ids, t_cache, prompt_lengths)
     _, d_cache = forward(draft_graphdef, draft_state, input_ids, d_cache, prompt_lengths)
     t_logits = logits_at(t_logits, prompt_lengths - 1)
