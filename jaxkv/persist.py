@@ -55,8 +55,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.caches._checks import INVALID
-from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings, memory_place, place_sharding
+from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 
 __all__ = [
     "FORMAT_VERSION",
@@ -594,6 +594,15 @@ def _seq_fields(store: Any) -> dict[str, int]:
     return {f: axes.index("seq") for f, axes in type(store).LEAF_AXES.items() if "seq" in axes}
 
 
+def _fit_axis(x: Any, axis: int, size: int, fill: int) -> Any:
+    """``x`` cut to ``size`` along ``axis``, or padded there with ``fill`` (NumPy or jax)."""
+    if x.shape[axis] >= size:
+        return x[(slice(None),) * axis + (slice(0, size),)]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return (jnp if isinstance(x, jax.Array) else np).pad(x, pad, constant_values=fill)
+
+
 def _resize_seq(cache: KVCache, size_of) -> KVCache:
     """Every ``"seq"`` axis cut (or zero-padded) to ``size_of(store)`` slots (NumPy or
     jax leaves alike)."""
@@ -601,13 +610,7 @@ def _resize_seq(cache: KVCache, size_of) -> KVCache:
     for store in cache.stores:
         size, changed = size_of(store), {}
         for field, axis in _seq_fields(store).items():
-            x = getattr(store, field)
-            if x.shape[axis] >= size:
-                changed[field] = x[(slice(None),) * axis + (slice(0, size),)]
-            else:
-                pad = [(0, 0)] * x.ndim
-                pad[axis] = (0, size - x.shape[axis])
-                changed[field] = (jnp if isinstance(x, jax.Array) else np).pad(x, pad)
+            changed[field] = _fit_axis(getattr(store, field), axis, size, 0)
         stores.append(dataclasses.replace(store, **changed))
     return dataclasses.replace(cache, stores=tuple(stores))
 
@@ -622,14 +625,8 @@ def _resize_blocks(one: KVCache, target: KVCache) -> KVCache:
         for field, axes in type(mine).LEAF_AXES.items():
             if "blocks" not in axes:
                 continue
-            x, axis = getattr(mine, field), axes.index("blocks")
-            size = getattr(theirs, field).shape[axis]
-            if x.shape[axis] >= size:
-                changed[field] = x[(slice(None),) * axis + (slice(0, size),)]
-            else:
-                pad = [(0, 0)] * x.ndim
-                pad[axis] = (0, size - x.shape[axis])
-                changed[field] = jnp.pad(x, pad, constant_values=_NO_PAGE)
+            axis = axes.index("blocks")
+            changed[field] = _fit_axis(getattr(mine, field), axis, getattr(theirs, field).shape[axis], _NO_PAGE)
         stores.append(dataclasses.replace(mine, **changed))
     return dataclasses.replace(one, stores=tuple(stores))
 

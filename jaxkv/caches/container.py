@@ -84,8 +84,8 @@ from jaxkv.caches._checks import (
     _check_reset_rows,
     _check_row_indices,
     _check_states,
-    _crop_amounts,
     _check_num_tokens,
+    _crop_amounts,
     _flag,
     _host_counts,
     _is_traced,
@@ -734,12 +734,6 @@ def memory_place(x: Any) -> tuple[int, str] | None:
     return device.id, kind
 
 
-def put_in_place(x: Any, place: tuple[int, str] | None, who: str) -> Array:
-    """``x`` on the device and memory kind :func:`memory_place` recorded (None: default)."""
-    target = place_sharding(place, who)
-    return jnp.asarray(x) if target is None else jax.device_put(x, target)
-
-
 def place_sharding(place: tuple[int, str] | None, who: str) -> Any:
     """The ``SingleDeviceSharding`` of a recorded :func:`memory_place` (None: default)."""
     if place is None:
@@ -755,12 +749,13 @@ def place_sharding(place: tuple[int, str] | None, who: str) -> Any:
 
 
 def _restore(treedef, leaves, mesh, places=None):
-    if places is not None:
-        try:
-            leaves = [put_in_place(x, p, "unpickling a cache") for x, p in zip(leaves, places)]
-        except ValueError as err:
-            raise pickle.UnpicklingError(str(err)) from None
-    cache = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+    try:
+        targets = [place_sharding(p, "unpickling a cache") for p in places or [None] * len(leaves)]
+    except ValueError as err:
+        raise pickle.UnpicklingError(str(err)) from None
+    cache = jax.tree.unflatten(
+        treedef, [jnp.asarray(x) if t is None else jax.device_put(x, t) for x, t in zip(leaves, targets)]
+    )
     if mesh is None:
         return cache
     names, ids, spec = mesh

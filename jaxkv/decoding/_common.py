@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.caches import KVCache
+from jaxkv.caches._checks import _static_int
 from jaxkv.sampling import SamplingConfig, apply_temperature, min_p_filter, top_k_filter, top_p_filter
 
 
@@ -66,23 +67,6 @@ def check_positive_int(value: Any, name: str, who: str) -> int:
     return int(value)
 
 
-def _integral(value: Any) -> int | None:
-    """``value`` as a Python int if it is an integer (Python, NumPy, or a concrete 0-d integer
-    array such as ``jnp.int32(7)``), else None. Bools are not integers here."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if (
-        isinstance(value, (np.ndarray, jax.Array))
-        and not isinstance(value, jax.core.Tracer)
-        and value.ndim == 0
-        and jnp.issubdtype(value.dtype, jnp.integer)
-    ):
-        return int(value)
-    return None
-
-
 def check_token_id(
     value: Any, name: str, vocab_size: int | None, who: str, *, allow_none: bool = True
 ) -> int | None:
@@ -93,7 +77,7 @@ def check_token_id(
     """
     if value is None and allow_none:
         return None
-    token = _integral(value)
+    token = _static_int(value)  # Python, NumPy or concrete 0-d integers; not bools
     if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
         wanted = "a token id >= 0" if vocab_size is None else f"a token id in [0, {vocab_size})"
         raise ValueError(f"{who}: {name} must be {'None or ' if allow_none else ''}{wanted}, got {value!r}")
