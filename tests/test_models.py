@@ -1,5 +1,6 @@
 """The NNX/linen integration and the Llama-family model over jaxkv caches (no HF needed)."""
 
+import copy
 import dataclasses
 from functools import partial
 
@@ -256,6 +257,38 @@ def test_config_from_hf_layouts():
     assert mistral.sliding_layers == (True, True) and mistral.sliding_window == 8
     qwen3 = LlamaConfig.from_hf(HF_LLAMA | dict(architectures=["Qwen3ForCausalLM"], head_dim=12))
     assert qwen3.qk_norm and qwen3.head_dim == 12
+
+
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # llama3 without original_max_position_embeddings: transformers takes max_position_embeddings
+        dict(max_position_embeddings=64, rope_parameters=dict(_LLAMA3, rope_theta=1e4)),
+        # a legacy rope_scaling beside rope_parameters replaces it whole (its theta too)
+        dict(max_position_embeddings=64, rope_parameters=dict(rope_type="default", rope_theta=5e5),
+             rope_scaling=dict(_LLAMA3, original_max_position_embeddings=32)),
+        # rope_theta missing from the dict comes from the top level
+        dict(max_position_embeddings=64, rope_theta=300.0, rope_scaling=dict(type="linear", factor=2.0)),
+    ],
+    ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta"],
+)
+def test_config_rope_resolves_as_transformers(change):
+    """The inverse frequencies jaxkv derives from a config.json equal those of transformers'
+    own LlamaRotaryEmbedding built from the same dict (the reference: no weights needed)."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = HF_LLAMA | change
+    cfg = LlamaConfig.from_hf(copy.deepcopy(hf))  # transformers fills the rope dicts in place
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = LlamaRotaryEmbedding(transformers.LlamaConfig(**copy.deepcopy(hf))).inv_freq.numpy()
+    np.testing.assert_allclose(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,11 @@ class LlamaConfig:
         """Builds a config from an HF ``config.json`` dictionary.
 
         Accepts both the transformers 4 layout (``rope_theta`` and ``rope_scaling`` at the
-        top level) and the transformers 5 layout (``rope_parameters``).
+        top level) and the transformers 5 layout (``rope_parameters``), resolved as
+        transformers' own config resolves them: ``rope_scaling``, when given, replaces
+        ``rope_parameters``; a ``rope_theta`` missing from that dict comes from the top level
+        (10000 by default); llama3 scaling without ``original_max_position_embeddings`` uses
+        ``max_position_embeddings``.
 
         Args:
             hf: the parsed ``config.json``.
@@ -139,9 +143,9 @@ class LlamaConfig:
             raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported, expected 'silu'")
         num_heads = need("num_attention_heads")
         num_layers = need("num_hidden_layers")
-        rope = dict(hf.get("rope_parameters") or {})
-        if hf.get("rope_scaling"):
-            rope.update(hf["rope_scaling"])
+        # As transformers' config does: a (legacy) rope_scaling replaces rope_parameters whole,
+        # and rope_theta missing from the dict comes from the top level.
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
@@ -152,6 +156,10 @@ class LlamaConfig:
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor != 1.0 is not supported")
         scaling = None
+        if rope_type == "llama3" and "original_max_position_embeddings" not in rope \
+                and hf.get("max_position_embeddings") is not None:
+            # transformers' default (standardize_rope_params): the context the config declares
+            rope["original_max_position_embeddings"] = hf["max_position_embeddings"]
         if rope_type != "default":
             required = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
             missing = [k for k in required if k not in rope]
