@@ -180,6 +180,33 @@ def test_stop_tokens_and_streaming(model, reference):
         starved.run([EngineRequest(PROMPTS[0], N)])
 
 
+def _tight_engine(model, free_left):
+    """An engine whose index holds PROMPTS[0]'s two full pages and whose other pages are all
+    pinned from outside but ``free_left``."""
+    eng = engine(model)
+    eng.run([EngineRequest(PROMPTS[0], N)])
+    refcount = np.asarray(eng._cache.refcount)
+    free = [p for p in range(eng._cache.num_pages) if refcount[p] == 0]
+    eng._cache = eng._cache.retain(free[: len(free) - free_left])
+    return eng
+
+
+def test_admission_keeps_the_prefix_pages_it_matched(model, reference):
+    # Request 0 matches the two indexed pages (no row holds them yet); request 1, admitted in
+    # the same round, needs a page more than is free. Evicting request 0's matched page for it
+    # used to count that page as free although request 0 takes it over: request 1 was admitted,
+    # preempted at once, and the index lost the page.
+    eng = _tight_engine(model, free_left=1)
+    out = eng.run([EngineRequest(PROMPTS[1], 1), EngineRequest(PROMPTS[2], 2)])
+    assert [list(r.tokens) for r in out] == [reference[1][:1], reference[2][:2]]
+    assert out[0].cached_tokens == 8
+    assert (eng.stats["preemptions"], eng.stats["evicted_pages"], len(eng.prefix)) == (0, 0, 2)
+    # The same pool cannot finish a 6-token request: a lone row without a page used to write
+    # nowhere and sample garbage (15, 6, 6, 6, 6, 6 against the reference's 15, 6, 45, ...).
+    with pytest.raises(RuntimeError, match=r"request 0 needs 1 more page\(s\) to go on with no other row"):
+        _tight_engine(model, free_left=1).run([EngineRequest(PROMPTS[1], N)])
+
+
 def test_bad_requests_are_refused(model):
     eng = engine(model)
     for bad, match in [

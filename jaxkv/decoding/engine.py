@@ -31,11 +31,13 @@ as it is written, and the index pins it (``PagedCache.retain``); a new request w
 prompt starts with indexed pages attaches them (``attach_prefix``: shared, no copy) and
 prefills only the rest. A request whose next uncached page is being written by another
 row waits one step for it rather than computing it twice. Unpinned by LRU eviction when
-the pool runs short (only pages no row holds). **Preemption**: when a step needs more
+the pool runs short (only pages no row holds, and never the pages a request being
+admitted has just matched). **Preemption**: when a step needs more
 pages than are free (after eviction), the most recently admitted requests give their row
 back (pages freed; shared prefix pages stay with the index) and rejoin the front of the
 queue with their generated tokens appended to the prompt, to be recomputed; their
-output is unchanged.
+output is unchanged. A request that cannot get a page even alone (pages pinned outside
+the engine's index) raises RuntimeError, at admission or mid-generation.
 
 Stop conditions per request: ``max_new_tokens``, ``stop_token_ids`` (kept in the output).
 :meth:`PagedEngine.stream` yields ``(request id, token)`` as tokens are produced;
@@ -412,8 +414,13 @@ class PagedEngine:
         def pages_for(n: int) -> int:
             return -(-n // ps)
 
-        def evict(wanted: int) -> int:
-            """Unpins least recently used index pages until ``wanted`` are free; returns free."""
+        def evict(wanted: int, keep: set[int] | frozenset[int] = frozenset()) -> int:
+            """Unpins least recently used index pages until ``wanted`` are free; returns free.
+
+            Pages in ``keep`` stay: prefix hits of requests being admitted, which no row holds
+            yet (their refcount is the index's 1). Evicting one would count it as free although
+            the admitted row takes it over, and drop its entry from the index.
+            """
             nonlocal free
             if self.prefix is None or free >= wanted:
                 return free
@@ -422,6 +429,8 @@ class PagedEngine:
             for key, page in self.prefix.evictable(refcount):
                 if free + len(drop) >= wanted:
                     break
+                if page in keep:
+                    continue
                 self.prefix.remove(key)
                 drop.append(page)
             if drop:
@@ -446,6 +455,7 @@ class PagedEngine:
 
             # ---- admission: rows and pages permitting, in order; wait for in-flight prefixes
             admitted, deferred = [], collections.deque()
+            hits_admitted: set[int] = set()  # pages this round attaches: not evictable before _admit
             while waiting and None in rows:
                 i = waiting.popleft()
                 request = requests[i]
@@ -462,9 +472,10 @@ class PagedEngine:
                     pages_for(len(run.prompt) + 1) - pages_for(row_len[j])
                     for j, run in enumerate(rows) if run is not None and run.written < len(run.prompt)
                 )
-                if evict(need + reserved) < need + reserved:
+                if evict(need + reserved, keep=hits_admitted | set(hit)) < need + reserved:
                     waiting.appendleft(i)
                     break
+                hits_admitted.update(hit)
                 row = rows.index(None)
                 rows[row] = _Running(i, request, step, prompt, len(hit) * ps, len(hit) * ps, keys, len(hit))
                 admitted.append((row, hit, len(hit) * ps))
@@ -506,8 +517,19 @@ class PagedEngine:
             # Pages this step will take; preempt the youngest until they fit.
             while True:
                 need = sum(pages_for(row_len[row] + take[row]) - pages_for(row_len[row]) for row in take)
-                if evict(need) >= need or len(take) == 1:
+                if evict(need) >= need:
                     break
+                if len(take) == 1:
+                    # One row left and still no page for it: only pages pinned outside the
+                    # index can do this (the pool holds one whole request). Writing on would
+                    # drop its tokens (out_of_pages) and sample from what is not there.
+                    (row,) = take
+                    raise RuntimeError(
+                        f"{who}: request {rows[row].index} needs {need} more page(s) to go on with no other "
+                        f"row running, but only {free} of {self._cache.num_pages} pages are free and no "
+                        "index page can be evicted. Release pages pinned outside the engine's index, or "
+                        "build the engine with more pages."
+                    )
                 victim = max(take, key=lambda row: (rows[row].admitted_step, row))
                 i = rows[victim].index
                 preempted[i] += 1
