@@ -37,7 +37,8 @@ pages than are free (after eviction), the most recently admitted requests give t
 back (pages freed; shared prefix pages stay with the index) and rejoin the front of the
 queue with their generated tokens appended to the prompt, to be recomputed; their
 output is unchanged. A request that cannot get a page even alone (pages pinned outside
-the engine's index) raises RuntimeError, at admission or mid-generation.
+the engine's index) raises RuntimeError, at admission or mid-generation; a write the cache
+flags after a step (``cache.check()``) raises CacheError.
 
 Stop conditions per request: ``max_new_tokens``, ``stop_token_ids`` (kept in the output).
 :meth:`PagedEngine.stream` yields ``(request id, token)`` as tokens are produced;
@@ -381,7 +382,8 @@ class PagedEngine:
 
     def _empty_rows(self) -> None:
         held = np.flatnonzero((np.asarray(self._cache.block_table) >= 0).any(axis=1)
-                              | (np.asarray(self._cache.lengths) > 0).any(axis=0))
+                              | (np.asarray(self._cache.lengths) > 0).any(axis=0)
+                              | (np.asarray(self._cache.flags) != 0))
         if held.size:
             self._cache = self._admit(self._cache, *self._admission_arrays([(int(r), [], 0) for r in held]))
 
@@ -590,6 +592,10 @@ class PagedEngine:
                 )
             sampled = np.asarray(sampled)
             free = int(free_now)
+            if np.asarray(self._cache.flags).any():
+                # A dropped or misplaced write (the page accounting above should make this
+                # impossible): an error naming the rows, never tokens sampled from it.
+                self._cache.check()
             counters["forward_tokens"] += int(num_new.sum())
             counters["forward_calls"] += 1
 
