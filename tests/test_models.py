@@ -276,19 +276,23 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta"],
 )
 def test_config_rope_resolves_as_transformers(change):
-    """The inverse frequencies jaxkv derives from a config.json equal those of transformers'
-    own LlamaRotaryEmbedding built from the same dict (the reference: no weights needed)."""
+    """The RoPE parameters jaxkv reads from a config.json are those transformers' own config
+    resolves from the same dict (the frequencies they give: ``test_llama3_rope_scaling_bands``,
+    and a llama3-scaled model against transformers in ``test_hf_parity``)."""
     import warnings
 
     transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     hf = HF_LLAMA | change
     cfg = LlamaConfig.from_hf(copy.deepcopy(hf))  # transformers fills the rope dicts in place
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = LlamaRotaryEmbedding(transformers.LlamaConfig(**copy.deepcopy(hf))).inv_freq.numpy()
-    np.testing.assert_allclose(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref, rtol=1e-6)
+        ref = dict(transformers.LlamaConfig(**copy.deepcopy(hf)).rope_parameters)
+    assert cfg.rope_theta == ref.pop("rope_theta")
+    ref.pop("type", None)
+    if ref["rope_type"] == "default":
+        assert cfg.rope_scaling is None
+    else:
+        assert dict(cfg.rope_scaling) == ref
 
 
 @pytest.mark.parametrize(
