@@ -36,7 +36,7 @@ cpu-kernel: $(STAMP_TEST)
 # Two workers: the machine this runs on has two cores (each worker holds ~4 GiB, so not -n auto).
 # The whole suite and the notebooks: what CI runs (.ci/run); it lists the 15 slowest tests.
 test: cpu-kernel
-	$(PY) -m pytest -q -n 2 --durations=15 tests --nbmake notebooks
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests --nbmake notebooks
 
 # The inner loop: the suite without the tests marked slow (transformers references,
 # subprocesses, README blocks, the longest generation checks) and without the notebooks.
