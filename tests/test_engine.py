@@ -204,7 +204,7 @@ def test_admission_keeps_the_prefix_pages_it_matched(model, reference):
     # The same pool cannot finish a 6-token request: a lone row without a page used to write
     # nowhere and sample garbage (15, 6, 6, 6, 6, 6 against the reference's 15, 6, 45, ...).
     with pytest.raises(RuntimeError, match=r"request 0 needs 1 more page\(s\) to go on with no other row"):
-        _tight_engine(model, free_left=1).run([EngineRequest(PROMPTS[1], N)])
+        eng.run([EngineRequest(PROMPTS[1], N)])  # the same pins, the same free page
 
 
 def test_a_flagged_write_is_an_error_and_the_next_run_is_clean(model, reference):
@@ -216,9 +216,9 @@ def test_a_flagged_write_is_an_error_and_the_next_run_is_clean(model, reference)
     from jaxkv.caches._checks import OUT_OF_PAGES
 
     eng = engine(model)
-    step = eng._step
-    eng._step = lambda *a: (lambda out: (out[0], out[1], dataclasses.replace(
-        out[2], flags=out[2].flags.at[1].set(OUT_OF_PAGES)), *out[3:]))(step(*a))
+    step = eng._step  # (state, cache, ...): the cache comes in with row 1 flagged
+    eng._step = lambda state, cache, *a: step(
+        state, dataclasses.replace(cache, flags=cache.flags.at[1].set(OUT_OF_PAGES)), *a)
     with pytest.raises(CacheError, match=r"rows \[1\] found no free page for a write"):
         eng.run([EngineRequest(p, N) for p in PROMPTS[:2]])
     eng._step = step

@@ -233,7 +233,9 @@ def _step_program(graphdef, state, cache, rows, tokens, num_new, sampling, histo
         # The rows that emitted a token this step (not a prefill chunk short of its prompt's end).
         counts = record_tokens(mine, picked, emits).counts
         history = history._replace(counts=history.counts.at[rows].set(counts, mode="drop"))
-    return picked, cache.free_pages, cache, history
+    # One int32[2] for the host: free pages, and whether any row's write was flagged.
+    status = jnp.stack([cache.free_pages, jnp.any(cache.flags != 0).astype(jnp.int32)])
+    return picked, status, cache, history
 
 
 @partial(jax.jit, donate_argnames="history")
@@ -583,16 +585,16 @@ class PagedEngine:
                 emits[j] = run.written + k >= len(run.prompt)
             sampling = (temperature, top_p, min_p, seeds, index, rep, pres, freq)
             if any(_has_penalty(rows[row].request) for row in busy):
-                sampled, free_now, self._cache, self._history = self._step(
+                sampled, status, self._cache, self._history = self._step(
                     self._state, self._cache, row_ids, tokens, num_new, sampling, self._history, emits
                 )
             else:
-                sampled, free_now, self._cache, _ = self._step(
+                sampled, status, self._cache, _ = self._step(
                     self._state, self._cache, row_ids, tokens, num_new, sampling
                 )
             sampled = np.asarray(sampled)
-            free = int(free_now)
-            if np.asarray(self._cache.flags).any():
+            free, flagged = (int(v) for v in np.asarray(status))
+            if flagged:
                 # A dropped or misplaced write (the page accounting above should make this
                 # impossible): an error naming the rows, never tokens sampled from it.
                 self._cache.check()
