@@ -269,3 +269,146 @@ def test_index_naming_a_missing_shard(checkpoint, tmp_path):
 def test_bad_dtype(checkpoint):
     with pytest.raises(TypeError, match="dtype must be jnp.float32, jnp.bfloat16"):
         from_pretrained(checkpoint[0], dtype=jnp.int8)
+
+
+# --------------------------------------------------------------------------- config keys as transformers reads them
+
+
+def _relative_error_against_transformers(directory, length=12):
+    """max |jaxkv - HF| / max |HF| of the logits, HF being what AutoModelForCausalLM loads
+    from the same directory (so its reading of the config and the weights is the reference)."""
+    import warnings
+
+    ids = _prompts(2, length, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(from_pretrained(directory).model(jnp.asarray(ids, jnp.int32), None)[0])
+    return np.abs(got - ref).max() / np.abs(ref).max()
+
+
+def test_llama3_top_level_original_context_wins_as_in_transformers(tmp_path):
+    """transformers' standardize_rope_params gives a top-level original_max_position_embeddings
+    priority over the one inside the llama3 rope dict; jaxkv read only the dict's (16 here)."""
+    directory = str(tmp_path)
+    _build("llama", directory)
+    _edit_config(directory, original_max_position_embeddings=64)
+    assert _relative_error_against_transformers(directory) <= 1e-4
+
+
+def test_tied_config_with_its_own_lm_head_keeps_it_as_transformers_does(tmp_path):
+    """tie_word_embeddings true, yet the file holds an lm_head.weight unlike the embedding:
+    transformers keeps the two apart (the config is wrong); jaxkv used the embedding."""
+    directory = str(tmp_path)
+    _build("qwen2", directory)  # tied: the file has no lm_head.weight
+    _edit_weights(directory, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"][::-1] * 0.5 + 0.1}))
+    assert _relative_error_against_transformers(directory) <= 1e-4
+    assert not from_pretrained(directory).config.tie_word_embeddings
+
+
+@pytest.mark.parametrize(
+    "family, keys",
+    [
+        ("mistral", dict(attention_bias=True, mlp_bias=True)),
+        ("qwen2", dict(mlp_bias=True)),
+        ("qwen3", dict(mlp_bias=True)),
+    ],
+)
+def test_bias_keys_the_transformers_model_does_not_read_are_ignored(tmp_path, family, keys):
+    """Mistral has no biases and Qwen2/Qwen3 no MLP biases whatever config.json says; jaxkv
+    asked the file for bias tensors that model never has (and refused the checkpoint)."""
+    directory = str(tmp_path)
+    _build(family, directory)
+    _edit_config(directory, **keys)
+    assert _relative_error_against_transformers(directory) <= 1e-4
+
+
+def test_model_type_naming_another_model_is_refused(damaged):
+    """transformers' Auto classes build the model model_type names (here a Llama, with no q/k/v
+    biases) whatever architectures says; jaxkv silently built the Qwen2 of architectures."""
+    _edit_config(damaged, model_type="llama")
+    assert type(transformers.AutoConfig.from_pretrained(damaged)).__name__ == "LlamaConfig"
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: model_type 'llama' does not match architecture 'Qwen2ForCausalLM'"
+    ):
+        from_pretrained(damaged)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        # rope parameters per layer type: transformers' Qwen2 rotary embedding raises KeyError
+        # 'rope_type'; jaxkv used rope_theta 10000 for every layer.
+        (dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
+         "per-layer-type rope parameters"),
+        # a top-level partial_rotary_factor joins a scaled RoPE's dict: transformers rotates a
+        # quarter of each head (and fails); jaxkv rotated all of it.
+        (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4), partial_rotary_factor=0.25),
+         "partial_rotary_factor"),
+    ],
+    ids=["per-layer-type", "partial-rotary"],
+)
+def test_rope_configs_jaxkv_does_not_implement_are_refused(damaged, changes, match):
+    _edit_config(damaged, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(damaged)
+
+
+def test_corrupt_weight_index_is_a_checkpoint_error(damaged):
+    os.remove(os.path.join(damaged, "model.safetensors"))
+    with open(os.path.join(damaged, "model.safetensors.index.json"), "w") as f:
+        json.dump([{"weight_map": {}}], f)
+    with pytest.raises(CheckpointError, match=r"index\.json: no 'weight_map' object"):
+        from_pretrained(damaged)
+
+
+def test_single_file_comes_before_an_index_as_in_transformers(checkpoint, tmp_path):
+    """A directory holding model.safetensors and a (stale) sharded index of other weights:
+    transformers loads model.safetensors; jaxkv loaded the shards."""
+    directory, hf = checkpoint
+    both = str(tmp_path / "both")
+    shutil.copytree(directory, both)
+    torch.manual_seed(1)
+    other = type(hf)(hf.config).eval()
+    other.save_pretrained(str(tmp_path / "other"), max_shard_size="40KB")
+    for name in os.listdir(tmp_path / "other"):
+        if name.startswith("model-") or name == "model.safetensors.index.json":
+            shutil.copy(tmp_path / "other" / name, both)
+    assert _relative_error_against_transformers(both) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, num_attention_heads=32),
+        dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=100, num_attention_heads=3,
+             num_key_value_heads=1),
+        dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=64),
+        dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=64, num_attention_heads=16),
+        dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=16),
+        dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=16,
+             num_key_value_heads=None, hidden_act="swish"),
+    ],
+)
+def test_keys_config_json_leaves_out_read_as_transformers_does(raw):
+    """A trimmed config.json: the geometry transformers' config class fills in (Qwen3 head_dim
+    128; num_key_value_heads 32 for Qwen2/Qwen3, 8 for Mistral, null: one per query head).
+    jaxkv took hidden_size // num_attention_heads and num_attention_heads."""
+    import warnings
+
+    from jaxkv.models import LlamaConfig
+    from jaxkv.models.loading import _check_hf_config
+
+    raw = dict(vocab_size=32, intermediate_size=48, num_hidden_layers=1) | raw
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoConfig.for_model(**raw)
+        hf_attention = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
+    _check_hf_config(raw, "config.json")
+    config = LlamaConfig.from_hf(raw)
+    assert (config.head_dim, config.num_kv_heads) == (hf_attention.head_dim, hf.num_key_value_heads)
+    assert config.num_kv_heads * config.head_dim == hf_attention.k_proj.out_features

@@ -48,6 +48,20 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 
 _LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 
+#: The HF ``model_type`` of each architecture. transformers' Auto classes build the model that
+#: ``model_type`` names, so a config whose ``model_type`` names another one is refused.
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# What transformers' config classes assume for a key config.json leaves out (transformers 5.24;
+# the sliding-window keys: jaxkv.models.layer_types). A null value means the same as for Llama:
+# num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads.
+_DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+# HF hidden_act names of the SiLU (transformers' ACT2FN maps both to it).
+_SILU_NAMES = ("silu", "swish")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -115,16 +129,21 @@ class LlamaConfig:
         top level) and the transformers 5 layout (``rope_parameters``), resolved as
         transformers' own config resolves them: ``rope_scaling``, when given, replaces
         ``rope_parameters``; a ``rope_theta`` missing from that dict comes from the top level
-        (10000 by default); llama3 scaling without ``original_max_position_embeddings`` uses
-        ``max_position_embeddings``.
+        (10000 by default); llama3 scaling takes a top-level ``original_max_position_embeddings``
+        over the dict's, and without either uses ``max_position_embeddings``. Keys the file
+        leaves out take the defaults of the architecture's transformers config class (e.g.
+        Qwen3 ``head_dim`` 128, Mistral ``num_key_value_heads`` 8), and bias flags count only
+        for the models whose transformers implementation reads them.
 
         Args:
             hf: the parsed ``config.json``.
             source: the file name used in error messages.
 
         Raises:
-            ValueError: an unsupported architecture, activation or RoPE type, or a
-                missing required key (the message names ``source`` and the key).
+            ValueError: an unsupported architecture, activation or RoPE type (or per-layer-type
+                RoPE parameters, or a partial rotary factor), a ``model_type`` naming another
+                model than the architecture, or a missing required key (the message names
+                ``source`` and the key).
         """
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
@@ -134,18 +153,34 @@ class LlamaConfig:
                 f"jaxkv.models supports {', '.join(ARCHITECTURES)}"
             )
 
+        model_type = hf.get("model_type")
+        if model_type and model_type != MODEL_TYPES[arch]:
+            # transformers' AutoModel goes by model_type: it would build another model.
+            raise ValueError(
+                f"{source}: model_type {model_type!r} does not match architecture {arch!r} "
+                f"(model_type {MODEL_TYPES[arch]!r}); transformers builds the model model_type names"
+            )
+
         def need(key):
             if key not in hf or hf[key] is None:
                 raise ValueError(f"{source}: missing required key {key!r} for {arch}")
             return hf[key]
 
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") not in _SILU_NAMES:
             raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported, expected 'silu'")
         num_heads = need("num_attention_heads")
         num_layers = need("num_hidden_layers")
         # As transformers' config does: a (legacy) rope_scaling replaces rope_parameters whole,
         # and rope_theta missing from the dict comes from the top level.
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        nested = sorted(k for k, v in rope.items() if isinstance(v, Mapping))
+        if nested:
+            # Per-layer-type RoPE (e.g. {"full_attention": {...}, "sliding_attention": {...}}):
+            # no Llama-family model of transformers reads it (their rotary embedding raises).
+            raise ValueError(
+                f"{source}: per-layer-type rope parameters ({', '.join(map(repr, nested))}) are not supported; "
+                "jaxkv expects one flat rope_parameters object"
+            )
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
@@ -153,13 +188,21 @@ class LlamaConfig:
                 f"{source}: rope_type {rope_type!r} is not supported; jaxkv implements "
                 "'default', 'linear' and 'llama3'"
             )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        # A top-level partial_rotary_factor joins the dict in transformers; its default RoPE
+        # ignores it, the scaled ones rotate only that fraction of each head.
+        partial = rope.get("partial_rotary_factor")
+        if partial is None and rope_type != "default":
+            partial = hf.get("partial_rotary_factor")
+        if partial is not None and partial != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor != 1.0 is not supported")
         scaling = None
-        if rope_type == "llama3" and "original_max_position_embeddings" not in rope \
-                and hf.get("max_position_embeddings") is not None:
-            # transformers' default (standardize_rope_params): the context the config declares
-            rope["original_max_position_embeddings"] = hf["max_position_embeddings"]
+        if rope_type == "llama3":
+            if hf.get("original_max_position_embeddings") is not None:
+                # transformers (standardize_rope_params) gives a top-level value priority over the dict's
+                rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            elif "original_max_position_embeddings" not in rope and hf.get("max_position_embeddings") is not None:
+                # transformers' default: the context the config declares
+                rope["original_max_position_embeddings"] = hf["max_position_embeddings"]
         if rope_type != "default":
             required = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
             missing = [k for k in required if k not in rope]
@@ -174,23 +217,29 @@ class LlamaConfig:
             raise ValueError(f"{source}: {e}") from None
         sliding = tuple(t == SLIDING for t in types)
 
+        # Which biases each transformers model has: Llama reads attention_bias (q/k/v/o) and
+        # mlp_bias; Qwen3 attention_bias only; Qwen2 always has q/k/v biases and no others;
+        # Mistral none. A key the model does not read is ignored, as transformers ignores it.
+        attention_bias = bool(hf.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = bool(hf.get("attention_bias", False))
+        mlp_bias = bool(hf.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
+        kv_heads = hf["num_key_value_heads"] if "num_key_value_heads" in hf else _DEFAULT_KV_HEADS.get(arch)
+        head_dim = hf["head_dim"] if "head_dim" in hf else _DEFAULT_HEAD_DIM.get(arch)
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
             intermediate_size=need("intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or need("hidden_size") // num_heads,
+            num_kv_heads=kv_heads or num_heads,
+            head_dim=head_dim or need("hidden_size") // num_heads,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             out_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding_window,
             sliding_layers=sliding,

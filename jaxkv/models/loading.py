@@ -112,8 +112,9 @@ def _read_json(path: str, what: str) -> Any:
 _INT_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "max_window_layers",
+    "original_max_position_embeddings",
 )
-_NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
 _BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")
 _ROPE_NUMBER_KEYS = ("rope_theta", "factor", "high_freq_factor", "low_freq_factor",
@@ -210,7 +211,9 @@ def _check_hf_config(hf: Any, source: str) -> None:
             f"{source}: key 'num_attention_heads' ({heads}) must be a multiple of "
             f"'num_key_value_heads' ({kv_heads})"
         )
-    if heads is not None and hidden is not None and hf.get("head_dim") is None and hidden % heads:
+    # Qwen3's config class has a head_dim of its own (128) when the file leaves it out.
+    head_dim_known = hf.get("head_dim") is not None or ("head_dim" not in hf and "Qwen3ForCausalLM" in archs)
+    if heads is not None and hidden is not None and not head_dim_known and hidden % heads:
         raise CheckpointError(
             f"{source}: key 'hidden_size' ({hidden}) is not divisible by 'num_attention_heads' ({heads}) "
             "and there is no 'head_dim' to say the size of a head"
@@ -218,19 +221,24 @@ def _check_hf_config(hf: Any, source: str) -> None:
 
 
 def _weight_files(directory: str) -> dict[str, str]:
-    """Maps each tensor key to the safetensors file that holds it."""
+    """Maps each tensor key to the safetensors file that holds it.
+
+    ``model.safetensors`` comes first where both it and an index are present, as in
+    transformers' ``from_pretrained`` (a directory re-saved with other shard sizes may keep both).
+    """
     single = os.path.join(directory, WEIGHTS_FILE)
     index = os.path.join(directory, INDEX_FILE)
-    if os.path.isfile(index):
-        weight_map = _read_json(index, "a weight index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor keys to shard files")
-        return {key: os.path.join(directory, shard) for key, shard in weight_map.items()}
     if os.path.isfile(single):
         from safetensors import safe_open
 
         with _open_safetensors(single, safe_open) as f:
             return {key: single for key in f.keys()}
+    if os.path.isfile(index):
+        index_json = _read_json(index, "a weight index")
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor keys to shard files")
+        return {key: os.path.join(directory, shard) for key, shard in weight_map.items()}
     raise CheckpointError(
         f"{directory}: no weights found; expected {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors are supported)"
     )
@@ -245,18 +253,38 @@ def _open_safetensors(path: str, safe_open):
         raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
 
 
+def _lm_head_differs(files: dict[str, str]) -> bool:
+    """Whether a checkpoint holds an ``lm_head.weight`` that is not its embedding matrix.
+
+    transformers ties the two only where the checkpoint does not contradict it: with both
+    tensors present and different it keeps them apart (and warns that the config is wrong).
+    """
+    from safetensors import safe_open
+
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in files or embed not in files:
+        return False
+    arrays = []
+    for key in (head, embed):
+        with _open_safetensors(files[key], safe_open) as f:
+            try:
+                arrays.append(f.get_tensor(key))
+            except Exception as e:
+                raise CheckpointError(f"{files[key]}: tensor {key!r} is corrupt ({e})") from e
+    return arrays[0].shape != arrays[1].shape or not np.array_equal(arrays[0], arrays[1])
+
+
 def _load_tensors(
     config: LlamaConfig, directory: str, dtype: jnp.dtype, model_shapes: dict[tuple[Any, ...], tuple[int, ...]],
-    *, stacked: bool,
+    *, stacked: bool, files: dict[str, str],
 ) -> dict[tuple[Any, ...], jax.Array]:
     """Reads, checks and converts every tensor the model needs, one shard open at a time."""
     from safetensors import safe_open
 
-    files = _weight_files(directory)
     needed = {key: (path, layer, transpose) for key, path, layer, transpose in hf_weight_names(config, stacked=stacked)}
     missing = [key for key in needed if key not in files]
     if missing:
-        where = INDEX_FILE if os.path.isfile(os.path.join(directory, INDEX_FILE)) else WEIGHTS_FILE
+        where = WEIGHTS_FILE if os.path.isfile(os.path.join(directory, WEIGHTS_FILE)) else INDEX_FILE
         raise CheckpointError(
             f"{os.path.join(directory, where)}: missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -354,13 +382,17 @@ def from_pretrained(
             layer; None: stacked unless the default backend is the CPU.
 
     Returns:
-        A :class:`Pretrained` with ``.model``, ``.config`` and ``.tokenizer``.
+        A :class:`Pretrained` with ``.model``, ``.config`` and ``.tokenizer``. As in
+        transformers, a config with ``tie_word_embeddings`` whose checkpoint nevertheless holds
+        an ``lm_head.weight`` different from the embedding keeps that output projection
+        (``config.tie_word_embeddings`` is then False).
 
     Raises:
         CheckpointError (a ValueError): a missing directory or file, corrupt JSON or
             safetensors, a malformed ``config.json`` (not an object, no ``architectures``,
             a key of the wrong type, head counts that do not divide), an unsupported
-            architecture, a missing, unexpected or mis-shaped tensor. The message names the
+            architecture or one its ``model_type`` contradicts, an unsupported RoPE variant,
+            a missing, unexpected or mis-shaped tensor. The message names the
             file and the config key or tensor key.
         TypeError: ``dtype`` is not float32 / bfloat16 / float16.
 
@@ -383,6 +415,10 @@ def from_pretrained(
     except (TypeError, KeyError, ValueError) as e:
         message = str(e)
         raise CheckpointError(message if message.startswith(config_path) else f"{config_path}: {message}") from e
+    files = _weight_files(directory)
+    if config.tie_word_embeddings and _lm_head_differs(files):
+        # As transformers does: the checkpoint's own output projection, not the embedding.
+        config = dataclasses.replace(config, tie_word_embeddings=False)
 
     # An abstract model (shapes only, nothing allocated or initialised) gives the parameter
     # tree; the checkpoint's tensors then fill it.
@@ -390,7 +426,8 @@ def from_pretrained(
     graphdef, state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(state)
     tensors = _load_tensors(
-        config, directory, dtype, {p: var.get_value().shape for p, var in flat_state}, stacked=abstract.scan_layers
+        config, directory, dtype, {p: var.get_value().shape for p, var in flat_state}, stacked=abstract.scan_layers,
+        files=files,
     )
     flat = [(p, var.replace(tensors[p])) for p, var in flat_state]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
