@@ -19,6 +19,8 @@ import jax
 
 from jaxkv.attention import cache_attention
 from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.caches.container import check_cache
+from jaxkv.nnx import _check_positions
 from jaxkv.serialization import register_flax_serialization
 
 __all__ = ["KVSelfAttention"]
@@ -54,6 +56,14 @@ class KVSelfAttention(nn.Module):
         rope: Callable[[jax.Array], jax.Array] | None = None,
     ) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
         """Same contract as :meth:`jaxkv.nnx.KVAttention.__call__`: ``(y [B, T, E], new_cache)``."""
+        if cache is not None:
+            check_cache(cache, "KVSelfAttention")
+        _check_positions(positions, "KVSelfAttention")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"KVSelfAttention: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
         embed_dim = x.shape[-1]
 
         def heads(name, n):  # [B, T, E] -> [B, n, T, D]

@@ -22,10 +22,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxkv.attention import cache_attention, token_positions
 from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.caches.container import check_cache
 from jaxkv.serialization import register_flax_serialization
 
 __all__ = ["CacheSpec", "KVAttention", "init_cache", "token_positions"]
@@ -72,6 +74,22 @@ def init_cache(
         dtype=dtype,
         sharding=sharding,
     )
+
+
+def _check_positions(positions: Any, who: str) -> None:
+    """Positions are integer token indices: a float array would be truncated where masks
+    compare it and used as is by RoPE, silently disagreeing with itself."""
+    dtype = getattr(positions, "dtype", None)
+    if dtype is None and positions is not None:
+        try:
+            dtype = np.asarray(positions).dtype
+        except (TypeError, ValueError):
+            dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: positions must be an integer [B, T] array (token_positions(cache, B, T)), got "
+            f"{type(positions).__name__} of dtype {dtype}"
+        )
 
 
 class KVAttention(nnx.Module):
@@ -179,8 +197,11 @@ class KVAttention(nnx.Module):
             ValueError: ``num_new`` with a DynamicCache, shapes that do not match, no
                 layer index (neither the module's nor the call's), or a call window that
                 differs from the module's.
-            TypeError: a cache that is not a jaxkv cache.
+            TypeError: a cache that is not a jaxkv cache, or positions that are not integers.
         """
+        if cache is not None:
+            check_cache(cache, "KVAttention")
+        _check_positions(positions, "KVAttention")
         if layer_idx is None:
             layer_idx = self.layer_idx
         if layer_idx is None and cache is not None:

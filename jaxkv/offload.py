@@ -77,7 +77,18 @@ def _tracing() -> bool:
     return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
-def _to_host(x: Array) -> Array:
+def _index(i: Any) -> Any:
+    """A layer index as an operand: a concrete one as a NumPy scalar, which follows the
+    other operands' device (``jnp.asarray`` would commit it to the default device)."""
+    return i if isinstance(i, jax.core.Tracer) else np.int32(i)
+
+
+def _to_host(x: Array, like: Any = None) -> Array:
+    """``x`` in host memory; eagerly, with ``like`` (a host buffer), that buffer's device's
+    (a cache made with ``device=`` lives on that device, whatever device ``x`` is on)."""
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None and not isinstance(like, jax.core.Tracer) and not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, sharding)
     return jax.device_put(x, jax.memory.Space.Host)
 
 
@@ -111,6 +122,15 @@ def _host_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Array:
     # that offload is there to avoid.
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=HOST_MEMORY_KIND)
     return jax.device_put(np.zeros(shape, dtype), sharding)
+
+
+def _device_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Array:
+    """Zeros in ``device``'s own memory. Every leaf of a cache made for a ``device=`` that is
+    not the default one must live there: its host buffers are on that device, and an op
+    mixing them with leaves on the default device is refused by JAX."""
+    if _tracing() or not isinstance(device, jax.Device) or device == jax.devices()[0]:
+        return jnp.zeros(shape, dtype)  # the default device: left uncommitted, as before
+    return jax.device_put(jnp.zeros(shape, dtype), device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +172,11 @@ class HostStorage:
         if offloaded:
             keys, values = _host_zeros(shape, stored, device), _host_zeros(shape, stored, device)
         else:
-            keys, values = jnp.zeros(shape, stored), jnp.zeros(shape, stored)
+            keys, values = _device_zeros(shape, stored, device), _device_zeros(shape, stored, device)
         staged = (1,) + shape[1:]
         return cls(
-            keys, values, jnp.zeros(staged, stored), jnp.zeros(staged, stored),
-            jnp.zeros((1, batch_size), jnp.int32), jnp.dtype(dtype), offloaded,
+            keys, values, _device_zeros(staged, stored, device), _device_zeros(staged, stored, device),
+            _device_zeros((1, batch_size), jnp.int32, device), jnp.dtype(dtype), offloaded,
         )
 
     num_layers = property(lambda self: self.keys.shape[0])
@@ -166,7 +186,7 @@ class HostStorage:
 
     def fetch(self, buffer: Array, layer: Any) -> Array:
         """[1, B, H, S, D] device copy of one layer of a host buffer."""
-        one = jax.lax.dynamic_slice_in_dim(buffer, jnp.asarray(layer, jnp.int32), 1, axis=0)
+        one = jax.lax.dynamic_slice_in_dim(buffer, _index(layer), 1, axis=0)
         return _to_device(one) if self.offloaded else one
 
     def write(self, read_layer, write_layer, layer_ok, keys, values, old, count):
@@ -195,7 +215,7 @@ class HostStorage:
         # Only the tokens are moved explicitly; XLA places the small index operands.
         # The result is put in host memory explicitly: left to placement propagation it lands
         # in device memory for some argument placements (e.g. a cache restored by Orbax).
-        return _to_host(_host_scatter(buffer, jnp.asarray(layer, jnp.int32), _to_host(states), slot))
+        return _to_host(_host_scatter(buffer, _index(layer), _to_host(states, buffer), slot))
 
     def staged_at(self, layer: Any) -> HostStorage:
         """This storage with ``layer`` copied to the device (a synchronous restage)."""
@@ -314,10 +334,15 @@ class OffloadedCache(KVCache):
             if not fallback:
                 raise ValueError(message + "; pass fallback=True to keep it in device memory instead.")
             warnings.warn(message + "; keeping it in device memory (fallback=True).", stacklevel=2)
-        return cls._allocate(
+        cache = cls._allocate(
             lambda: [HostStorage.zeros(num_layers, batch_size, num_kv_heads, head_dim, max_length, dtype,
                                        offloaded=offloaded, device=device)],
             num_layers=num_layers, batch_size=batch_size, groups=(0,) * num_layers, sharding=None,
+        )
+        # Lengths and flags on the same device as the buffers (see _device_zeros).
+        return dataclasses.replace(
+            cache, lengths=_device_zeros(cache.lengths.shape, jnp.int32, device),
+            flags=_device_zeros(cache.flags.shape, jnp.int32, device),
         )
 
     def write(self, key_states: Any, value_states: Any, layer_idx: Any, *, num_new: Any = None):
@@ -348,9 +373,22 @@ def step_copy_bytes(cache: OffloadedCache, num_tokens: int = 1) -> dict[str, int
 
     Returns:
       ``{"to_device": ..., "to_host": ...}``: every layer's keys and values fetched once,
-      and the new tokens' keys/values written back (index arrays not counted).
+      and the new tokens' keys/values written back (index arrays not counted). Both are 0
+      for a cache that stayed in device memory (``fallback=True``): nothing is moved.
+
+    Raises:
+      TypeError: not an :class:`OffloadedCache`, or ``num_tokens`` not an int.
+      ValueError: ``num_tokens`` < 0.
     """
+    if not isinstance(cache, OffloadedCache):
+        raise TypeError(f"step_copy_bytes: expected an OffloadedCache, got {type(cache).__name__}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+        raise TypeError(f"step_copy_bytes: num_tokens must be an int, got {num_tokens!r}")
+    if num_tokens < 0:
+        raise ValueError(f"step_copy_bytes: num_tokens must be >= 0, got {num_tokens}")
     store = cache.stores[0]
+    if not store.offloaded:
+        return {"to_device": 0, "to_host": 0}
     num_layers, batch, heads, capacity, head_dim = store.keys.shape
     item = store.keys.dtype.itemsize
     return {
@@ -382,6 +420,11 @@ def _offloaded_model_class():
                        **unused: Any) -> OffloadedCache:
             if kind not in ("static", "offloaded"):
                 raise ValueError(f"an offloaded model allocates kind 'offloaded' (or 'static'), got {kind!r}")
+            if unused.get("sharding") is not None:  # would be dropped: a silently unsharded cache
+                raise ValueError(
+                    "an offloaded model's cache lives in one device's host memory and cannot be sharded; "
+                    "got sharding=" + repr(unused["sharding"])
+                )
             spec = self.model.cache_spec
             return OffloadedCache.init(
                 num_layers=spec.num_layers, batch_size=batch_size, num_kv_heads=spec.num_kv_heads,

@@ -1,0 +1,166 @@
+"""Review findings in offload, the Flax modules and serialization: each test failed before its fix.
+
+References are independent of the code under test: NumPy values, a plain StaticCache doing the
+same operations.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv.nnx  # noqa: F401  (registers the kinds with flax.serialization)
+from jaxkv import DynamicCache, HybridCache, SlidingWindowCache, StaticCache
+from jaxkv.offload import OffloadedCache, offload_model, step_copy_bytes
+from jaxkv.serialization import from_state_dict, to_state_dict
+
+SIZES = dict(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4)
+
+
+def _filled(cache, value=1.5):
+    k = jnp.full((cache.batch_size, 1, 2, 2), value, jnp.float32)
+    for layer in range(cache.num_layers):
+        cache, _, _ = cache.update(k * (layer + 1), k, layer, num_new=jnp.array([2, 1], jnp.int32))
+    return cache
+
+
+@pytest.mark.parametrize("kind", [StaticCache, OffloadedCache])
+def test_restore_refuses_another_16_bit_dtype(kind):
+    """bf16 and f16 buffers are both stored as uint16 bits: an f16 state restored into a bf16
+    target was accepted and read 1.5 as 0.125. Now the dtype is part of the state."""
+    from flax import serialization
+
+    saved = _filled(kind.init(**SIZES, dtype=jnp.float16))
+    for restore in (lambda t: from_state_dict(t, to_state_dict(saved)),
+                    lambda t: serialization.from_bytes(t, serialization.to_bytes(saved))):
+        with pytest.raises(ValueError, match="dtype was saved as float16, the target has bfloat16"):
+            restore(kind.init(**SIZES, dtype=jnp.bfloat16))
+        back = restore(kind.init(**SIZES, dtype=jnp.float16))  # the same dtype still round-trips
+        want = np.zeros((2, 2, 1, 4, 2), np.float16)
+        want[0, 0, :, :2], want[0, 1, :, :1] = 1.5, 1.5  # independent reference: what was written
+        want[1, 0, :, :2], want[1, 1, :, :1] = 3.0, 3.0
+        np.testing.assert_array_equal(np.asarray(back.keys), want)
+        np.testing.assert_array_equal(np.asarray(back.lengths), [[2, 1], [2, 1]])
+        if kind is OffloadedCache:
+            assert back.stores[0].keys.sharding.memory_kind == "pinned_host"
+    # A state saved before static facts were written (arrays only) still restores.
+    arrays = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    legacy = {k: v for k, v in to_state_dict(saved).items() if k in arrays}
+    np.testing.assert_array_equal(np.asarray(from_state_dict(kind.init(**SIZES, dtype=jnp.float16), legacy).keys),
+                                  np.asarray(saved.keys))
+
+
+def test_restore_refuses_another_window_or_layer_order():
+    """Arrays of equal shapes, other static layout: a ring of window 4 restored as window 2
+    (+2 extra slots), and a hybrid cache whose sliding and full layers are swapped, which put
+    layer 1's keys under layer 0's length. Both were accepted silently."""
+    sizes = dict(batch_size=1, num_kv_heads=1, head_dim=2)
+    ring = SlidingWindowCache.init(num_layers=1, window=4, **sizes)
+    with pytest.raises(ValueError, match="window was saved as 4, the target has 2"):
+        from_state_dict(SlidingWindowCache.init(num_layers=1, window=2, extra_slots=2, **sizes), to_state_dict(ring))
+    hybrid = HybridCache.init(layer_types=["sliding_attention", "full_attention"], max_length=8, window=4, **sizes)
+    swapped = HybridCache.init(layer_types=["full_attention", "sliding_attention"], max_length=8, window=4, **sizes)
+    with pytest.raises(ValueError, match="groups was saved as"):
+        from_state_dict(swapped, to_state_dict(hybrid))
+    from_state_dict(hybrid, to_state_dict(hybrid))  # the same layout restores
+
+
+def test_dynamic_cache_restore_refuses_a_target_with_more_layers():
+    """A saved 2-layer DynamicCache restored into DynamicCache(num_layers=3) came back with an
+    empty third layer: a 3-layer model would attend there to nothing of the history."""
+    k = jnp.ones((1, 1, 2, 2))
+    saved = DynamicCache.from_legacy_cache([(k, k + 1)] * 2)
+    with pytest.raises(ValueError, match="layers#len was saved as 2, the target has 3"):
+        from_state_dict(DynamicCache(num_layers=3), to_state_dict(saved))
+    back = from_state_dict(DynamicCache(num_layers=2), to_state_dict(saved))
+    for layer in range(2):
+        np.testing.assert_array_equal(np.asarray(back[layer][1]), np.full((1, 1, 2, 2), 2.0))
+
+
+def test_offloaded_cache_on_another_device_works_eagerly():
+    """OffloadedCache.init(device=d) put the host buffers on d but the staged copy, lengths and
+    flags on the default device: the first eager update raised 'incompatible devices'. Every
+    op now equals a StaticCache's, eagerly and under jit (two virtual CPU devices)."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jaxkv import StaticCache
+        from jaxkv.offload import OffloadedCache
+        S = dict(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=2, max_length=6)
+        k = jnp.arange(8.0).reshape(2, 1, 2, 2)
+        def run(c):
+            for l in range(2):
+                c, _, _ = c.update(k + l, k, l, num_new=jnp.array([2, 1]))
+            c = c.reorder_cache(jnp.array([1, 0])).batch_repeat_interleave(2).batch_select_indices(jnp.array([0, 3]))
+            c = c.put_rows(jnp.array([1]), c.batch_select_indices(jnp.array([0]))).crop(-1)
+            seen = []
+            for l in range(2):
+                c, kk, _ = c.update(k * 2, k, l)
+                seen.append(kk)
+            return c, seen
+        for f in (run, jax.jit(run)):
+            (a, sa), (b, sb) = f(OffloadedCache.init(**S, device=jax.devices()[1])), f(StaticCache.init(**S))
+            np.testing.assert_array_equal(a.keys, b.keys)
+            np.testing.assert_array_equal(a.lengths, b.lengths)
+            for x, y in zip(sa, sb):
+                np.testing.assert_array_equal(x, y)
+            assert a.stores[0].keys.sharding.memory_kind == "pinned_host"
+            assert {d.id for x in jax.tree.leaves(a) for d in x.sharding.device_set} == {1}
+        print("ok")
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_step_copy_bytes_of_a_device_cache_and_bad_counts():
+    class DeviceMemoryOnly:
+        def addressable_memories(self):
+            return [jax.devices()[0].default_memory()]
+
+    with pytest.warns(UserWarning):
+        kept = OffloadedCache.init(**SIZES, device=DeviceMemoryOnly(), fallback=True)
+    assert step_copy_bytes(kept) == {"to_device": 0, "to_host": 0}  # nothing crosses a link
+    cache = OffloadedCache.init(**SIZES)
+    assert step_copy_bytes(cache, 2) == {"to_device": 2 * 2 * 2 * 1 * 4 * 2 * 4, "to_host": 2 * 2 * 2 * 1 * 2 * 2 * 4}
+    with pytest.raises(ValueError, match="num_tokens"):
+        step_copy_bytes(cache, -1)
+
+
+def test_offload_model_refuses_a_sharding_it_would_drop():
+    from jaxkv.models import Llama, LlamaConfig
+
+    wrapped = offload_model(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        wrapped.init_cache(1, 8, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    assert isinstance(wrapped.init_cache(1, 8), OffloadedCache)
+
+
+def test_modules_refuse_a_non_cache_and_float_positions():
+    """The documented TypeError for a non-cache was an AttributeError from deep inside; float
+    positions were accepted (truncated by the masks)."""
+    from jaxkv.linen import KVSelfAttention
+    from jaxkv.nnx import KVAttention
+
+    attn = KVAttention(8, 2, 1, 4, layer_idx=0, rngs=nnx.Rngs(0))
+    cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=4, max_length=4)
+    x, pos = jnp.ones((1, 1, 8)), jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(TypeError, match="must be a jaxkv cache"):
+        attn(x, (cache.keys, cache.values), positions=pos)
+    with pytest.raises(TypeError, match="positions must be an integer"):
+        attn(x, cache, positions=pos.astype(jnp.float32))
+    linen = KVSelfAttention(num_heads=2, num_kv_heads=1, head_dim=4, layer_idx=0)
+    with pytest.raises(TypeError, match="must be a jaxkv cache"):
+        linen.init(jax.random.key(0), x, {"keys": cache.keys}, positions=pos)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        KVSelfAttention(num_heads=3, num_kv_heads=2, head_dim=4, layer_idx=0).init(jax.random.key(0), x, None,
+                                                                                 positions=pos)
