@@ -1,18 +1,24 @@
 """The `jaxkv` command line, run as a subprocess like a user would."""
 
+import atexit
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from jaxkv.cli import compilation_cache_dir, embedded_model_path, main
 
-# Subprocesses leave the user's compilation cache alone unless a test gives them one.
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILATION_CACHE": "0"}
+# Subprocesses leave the user's compilation cache alone: they share one of this test process's
+# own (removed at exit), so a program the CLI compiled for one test loads in the next; what the
+# cache itself does is tested with a directory of the test's own.
+_CACHE = tempfile.mkdtemp(prefix="jaxkv-test-cli-xla-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXKV_COMPILATION_CACHE": _CACHE}
 
 
 def run(*args, timeout=300, env=ENV):
