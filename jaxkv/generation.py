@@ -277,7 +277,10 @@ def check_prompts(
     batch, prompt_len = input_ids.shape
     if prompt_lengths is None:
         prompt_lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    prompt_lengths = jnp.asarray(prompt_lengths)
+    if not isinstance(prompt_lengths, jax.Array):
+        # Checked on the host first, as the ids: jnp.asarray would wrap int64 / uint64 lengths
+        # to 32 bits (2**32 + 3 became 3, a valid length, silently).
+        prompt_lengths = np.asarray(prompt_lengths)
     if prompt_lengths.shape != (batch,):
         raise ValueError(
             f"{who}: prompt_lengths must have shape [batch] = [{batch}], got {list(prompt_lengths.shape)}"
@@ -293,7 +296,7 @@ def check_prompts(
                 f"{who}: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row "
                 "needs at least one prompt token and at most input_ids.shape[1]"
             )
-    return input_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+    return input_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
 
 
 
@@ -304,7 +307,9 @@ def _prepare(model, input_ids, max_new_tokens, prompt_lengths, key, eos_token_id
 
     check_model(model, who)
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
-    if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1
+    ):  # True is an int to Python: it would prefill one token per chunk
         raise ValueError(f"prefill_chunk_size must be None or a Python int >= 1, got {chunk_size!r}")
     max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens", who)
     if not isinstance(sampling, SamplingConfig):

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "SamplingConfig",
@@ -97,7 +98,8 @@ class SamplingConfig:
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            # a real number, NumPy's too (np.float32(0.5) was refused while temperature took it)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number (0.0 is off), got {value!r}")
 
     @property
@@ -233,10 +235,15 @@ def _top_p_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:  # [B, 
     """Top-p over logits already sorted most likely first: which of them to keep.
 
     A token is kept when the mass of the tokens before it is still below ``p``, so the most
-    likely token is always kept.
+    likely token is always kept. That mass is the exclusive running sum (shifted ``cumsum``),
+    not ``cumsum - probs``: the subtraction rounds, so with ``p`` equal to the mass of the
+    top tokens (probabilities 0.4, 0.35, 0.25 and ``p = 0.4``) the mass before the second
+    token came out just below ``p`` and it was kept too, a set larger than the smallest
+    one reaching ``p`` (HF's ``TopPLogitsWarper`` keeps one token there).
     """
     probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    running = jnp.cumsum(probs, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
     return mass_before < p
 
 

@@ -188,7 +188,11 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     probs = jax.nn.softmax(logits, axis=-1)
     order = jnp.argsort(-probs, axis=-1, stable=True)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p[:, None]
+    # The mass before each token is the exclusive running sum: cumsum - probs rounds, and with
+    # top_p equal to the top tokens' mass it kept one token more (see sampling._top_p_keep_sorted).
+    running = jnp.cumsum(sorted_probs, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(running[:, :1]), running[:, :-1]], axis=-1)
+    keep_sorted = mass_before < top_p[:, None]
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     return jnp.where(keep, logits, -jnp.inf)
 
