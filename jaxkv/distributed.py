@@ -194,6 +194,21 @@ def _gathered(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _host_prompts(input_ids: Any, prompt_lengths: Any, model: nnx.Module) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts and their lengths as int32 host arrays, checked as :func:`jaxkv.generate`
+    checks them (:func:`jaxkv.generation.check_prompts`, on the host) *before* the int32
+    conversion: a cast first would truncate float ids and wrap ids or lengths beyond the
+    int32 range onto valid-looking ones (then decoded)."""
+    from jaxkv._checks import model_vocab_size
+    from jaxkv.generation import check_prompts
+
+    ids, lengths = check_prompts(
+        np.asarray(input_ids), None if prompt_lengths is None else np.asarray(prompt_lengths),
+        "jaxkv.distributed.generate", vocab_size=model_vocab_size(model),
+    )
+    return np.asarray(ids, np.int32), np.asarray(lengths, np.int32)
+
+
 def generate(
     model: nnx.Module, input_ids: Any, max_new_tokens: int, *, mesh: Mesh, prompt_lengths: Any = None,
     rules=LLAMA_RULES, **kwargs: Any,
@@ -213,14 +228,17 @@ def generate(
         rules: parameter placement rules, default :data:`LLAMA_RULES`.
         **kwargs: the other arguments of :func:`jaxkv.generate` (greedy decoding is what the
             tests cover across processes).
+
+    Raises:
+        ValueError / TypeError: what :func:`jaxkv.generate` refuses (non-integer ids or
+            lengths, an id outside the vocabulary, a length outside ``[1, P]``), checked on
+            the host before anything is cast to int32.
     """
-    input_ids = np.asarray(input_ids)
-    if prompt_lengths is None:
-        prompt_lengths = np.full((input_ids.shape[0],), input_ids.shape[1], np.int32)
+    input_ids, prompt_lengths = _host_prompts(input_ids, prompt_lengths, model)
     replicated = NamedSharding(mesh, P())
     out = jaxkv.generate(
-        sharded_model(model, mesh, rules), place(input_ids.astype(np.int32), replicated), max_new_tokens,
-        prompt_lengths=place(np.asarray(prompt_lengths, np.int32), replicated), **kwargs,
+        sharded_model(model, mesh, rules), place(input_ids, replicated), max_new_tokens,
+        prompt_lengths=place(prompt_lengths, replicated), **kwargs,
     )
     return GenerateOutput(tokens=_gathered(out.tokens), lengths=_gathered(out.lengths))
 

@@ -725,13 +725,20 @@ def _tree_shardings(cache: KVCache, mesh: Any, spec: tuple) -> KVCache:
 
 def memory_place(x: Any) -> tuple[int, str] | None:
     """``(device id, memory kind)`` of a single-device array outside device memory (an
-    offloaded cache's ``pinned_host`` buffers), else None."""
+    offloaded cache's ``pinned_host`` buffers) or committed to a device other than the
+    default one (an offloaded cache made with ``device=d`` keeps its lengths, flags and
+    staged layer in ``d``'s memory, next to its host buffers: restored on the default
+    device they would mix two devices in one op), else None."""
     sharding = getattr(x, "sharding", None)
-    kind = getattr(sharding, "memory_kind", None)
-    if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or kind in (None, "device"):
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return None
+    kind = sharding.memory_kind
     (device,) = sharding.device_set
-    return device.id, kind
+    if kind not in (None, "device"):
+        return device.id, kind
+    if getattr(x, "committed", False) and device != jax.local_devices()[0]:
+        return device.id, kind or "device"
+    return None
 
 
 def place_sharding(place: tuple[int, str] | None, who: str) -> Any:
@@ -740,6 +747,8 @@ def place_sharding(place: tuple[int, str] | None, who: str) -> Any:
         return None
     by_id = {d.id: d for d in jax.devices()}
     device_id, kind = place
+    if kind == "device" and (device_id not in by_id or by_id[device_id].process_index != jax.process_index()):
+        return None  # a device buffer on a device this process lacks: the default device, as unrecorded
     if device_id not in by_id or kind not in {m.kind for m in by_id[device_id].addressable_memories()}:
         raise ValueError(
             f"{who}: an array was saved in the {kind!r} memory of device {device_id}, which this process "
