@@ -34,6 +34,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -308,6 +310,55 @@ def _worker_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """``(stdout, stderr)`` of every process once all have exited 0.
+
+    The first to fail ends the wait: the others are killed (a worker whose peer died waits
+    for it in ``jax.distributed.initialize`` or a collective until its own timeout), and the
+    error carries the failed one's stderr. One deadline for all of them, not one each.
+
+    Raises:
+        RuntimeError: a process exited non-zero, or they had not all finished in ``timeout`` s.
+    """
+    outputs: list[Any] = [None] * len(procs)
+
+    def collect(i: int, proc: subprocess.Popen) -> None:
+        outputs[i] = proc.communicate()  # drains both pipes, so no process blocks on a full one
+
+    readers = [threading.Thread(target=collect, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for reader in readers:
+        reader.start()
+
+    def stop_all() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+
+    deadline = time.monotonic() + timeout
+    while any(reader.is_alive() for reader in readers):
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if failed is not None:
+            code = procs[failed].returncode
+            readers[failed].join(timeout=10)
+            stop_all()
+            err = (outputs[failed] or ("", ""))[1] or ""
+            raise RuntimeError(f"jaxkv.distributed: process {failed} exited with {code}:\n{err[-4000:]}")
+        if time.monotonic() > deadline:
+            running = [i for i, p in enumerate(procs) if p.poll() is None]
+            stop_all()
+            raise RuntimeError(
+                f"jaxkv.distributed: workers did not finish within {timeout} s (still running: processes {running})"
+            )
+        time.sleep(0.05)
+    failed = [(i, p.returncode, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
+    if failed:
+        i, code, err = failed[0]
+        raise RuntimeError(f"jaxkv.distributed: process {i} exited with {code}:\n{err[-4000:]}")
+    return outputs
+
+
 def launch(num_processes: int, local_devices: int, model_parallel: int, max_new_tokens: int, *,
            timeout: float = 300.0) -> dict:
     """Starts ``num_processes`` worker processes on this machine and returns process 0's result.
@@ -327,18 +378,7 @@ def launch(num_processes: int, local_devices: int, model_parallel: int, max_new_
         )
         for i in range(num_processes)
     ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"jaxkv.distributed: workers did not finish within {timeout} s") from None
-    failed = [(i, p.returncode, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
-    if failed:
-        i, code, err = failed[0]
-        raise RuntimeError(f"jaxkv.distributed: process {i} exited with {code}:\n{err[-4000:]}")
+    outputs = _wait_all(procs, timeout)
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 

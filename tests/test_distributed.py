@@ -70,3 +70,28 @@ def test_workers_keep_the_callers_xla_flags_but_not_a_forced_device_count():
     assert env["XLA_FLAGS"] == "--xla_a=1 --xla_b" and env["X"] == "y" and env["JAX_PLATFORMS"] == "cpu"
     env = distributed._worker_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert "XLA_FLAGS" not in env
+
+
+def test_a_failed_worker_ends_the_wait_at_once_with_its_stderr():
+    # launch waited on each worker in turn, each up to the timeout: a worker whose peer had
+    # died waits for it (in jax.distributed.initialize) and the error came only after the
+    # whole timeout, without the dead worker's stderr. Plain Python processes stand in here.
+    import subprocess
+    import sys
+    import time
+
+    def start(code):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    waiting = start("import time; time.sleep(60)")
+    dead = start("import sys; sys.stderr.write('worker 1 could not start'); sys.exit(3)")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"process 1 exited with 3:\nworker 1 could not start"):
+        distributed._wait_all([waiting, dead], timeout=50)
+    assert time.monotonic() - began < 20 and waiting.poll() is not None  # the other one was stopped
+    slow = start("import time; time.sleep(60)")
+    with pytest.raises(RuntimeError, match=r"did not finish within 0.5 s \(still running: processes \[0\]\)"):
+        distributed._wait_all([slow], timeout=0.5)
+    assert slow.poll() is not None
+    ok = [start("print('a')"), start("print('b')")]
+    assert distributed._wait_all(ok, timeout=50) == [("a\n", ""), ("b\n", "")]
