@@ -532,6 +532,9 @@ def test_traced_bad_layer_or_num_new_writes_nothing_and_flags(kind):
             lengths, positions = read(cache, jnp.int32(bad))
             np.testing.assert_array_equal(lengths, [0] * B)
             assert (np.asarray(positions) == NO_POSITION).all(), (bad, positions)
+            # So does the view the write returns (what attention reads next): it held layer 0's tokens.
+            written = jax.jit(lambda c, i: c.update_view(k, k, i)[1].slot_positions())(cache, jnp.int32(bad))
+            assert (np.asarray(written) == NO_POSITION).all(), (bad, written)
     out = jax.jit(lambda c, n: c.update(k, k, 1, num_new=n)[0])(cache, jnp.array([1, 3, -1], jnp.int32))
     np.testing.assert_array_equal(out.seq_lengths(1), [4, 2, 1])  # bad counts write nothing
     np.testing.assert_array_equal((np.asarray(out.flags) & INVALID) != 0, [False, True, True])

@@ -319,6 +319,8 @@ class KVCache:
         )._constrained()
         if view is None:
             view = new.stores[store_i].view(read_local, new_len)
+        if layer_ok is not True:  # a traced layer: a bad one read layer 0's buffers; it reads as empty
+            view = _emptied_unless(view, layer_ok)
         return new, view, count < requested
 
     def update(
@@ -721,6 +723,14 @@ def _tree_shardings(cache: KVCache, mesh: Any, spec: tuple) -> KVCache:
     return dataclasses.replace(
         cache, stores=stores, lengths=sharding(("layer", "batch")), flags=sharding(("batch",))
     )
+
+
+def _emptied_unless(view: Any, ok: Array) -> Any:
+    """``view`` with every row's length 0 where ``ok`` (a traced bool) is False: a bad traced
+    layer index writes nothing, and the view a write returns (layer 0's buffers, read in its
+    place) must then read as an empty layer, not as layer 0's tokens."""
+    field = "kv_lengths" if hasattr(view, "kv_lengths") else "lengths"
+    return view._replace(**{field: jnp.where(ok, getattr(view, field), 0)})
 
 
 def memory_place(x: Any) -> tuple[int, str] | None:

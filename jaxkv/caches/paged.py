@@ -371,6 +371,22 @@ class PagedStorage:
         return dataclasses.replace(self, refcount=self.refcount.at[ids].add(delta, mode="drop"))
 
 
+def _rows_or(x: Any, stop: int, fill: int) -> Array:
+    """Integer ``x`` as int32, every entry outside ``[0, stop)`` replaced by ``fill``.
+
+    The range is tested in ``x``'s own dtype (on the host when ``x`` is concrete), so a
+    wide value such as an int64 ``2**32 + 1`` is never wrapped into range by the narrowing.
+    """
+    if _is_traced(x):
+        return jnp.where((x >= 0) & (x < stop), x.astype(jnp.int32), jnp.int32(fill))
+    host = np.asarray(x)
+    if host.size == 0:
+        return jnp.zeros(host.shape, jnp.int32)
+    if not np.issubdtype(host.dtype, np.integer):
+        raise TypeError(f"PagedCache: expected integer rows, pages or counts, got dtype {host.dtype}.")
+    return jnp.asarray(np.where((host >= 0) & (host < stop), host, fill).astype(np.int32))
+
+
 @jax.jit
 def _write_program(store, write_layer, keys, values, old, count, all_lengths):
     return store._write(write_layer, keys, values, old, count, all_lengths)
@@ -512,7 +528,7 @@ class PagedCache(KVCache):
         ``>= batch_size`` are padding: they read the last row and must write nothing
         (``num_new`` 0); merging drops them. A serving loop steps only its busy rows this way.
         """
-        idx = jnp.asarray(rows, jnp.int32)
+        idx = _rows_or(rows, self.batch_size, self.batch_size)  # 2**32 + 1 is padding, never row 1
         safe = jnp.clip(idx, 0, self.batch_size - 1)
         store = self.stores[0]
         sub = dataclasses.replace(store, block_table=store.block_table[safe])
@@ -521,8 +537,7 @@ class PagedCache(KVCache):
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
         block tables, lengths and flags at ``rows`` (padding entries dropped)."""
-        idx = jnp.asarray(rows, jnp.int32)
-        idx = jnp.where((idx >= 0) & (idx < self.batch_size), idx, self.batch_size)
+        idx = _rows_or(rows, self.batch_size, self.batch_size)
         mine, theirs = self.stores[0], sub.stores[0]
         store = dataclasses.replace(theirs, block_table=mine.block_table.at[idx].set(theirs.block_table, mode="drop"))
         return dataclasses.replace(
@@ -542,13 +557,13 @@ class PagedCache(KVCache):
         """
         who = "PagedCache.attach_prefix"
         store = self.stores[0]
-        pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+        # Concrete values are checked on the host in their own dtype (narrowing an int64
+        # 2**32 + 1 to int32 first would make it row, page or count 1).
+        pages = (pages if _is_traced(pages) else np.asarray(pages)).reshape(-1)
         if pages.shape[0] > store.max_pages:
             raise ValueError(f"{who}: {pages.shape[0]} pages exceed the {store.max_pages} a row can hold.")
-        row = jnp.asarray(row, jnp.int32)
-        num_tokens = jnp.asarray(num_tokens, jnp.int32)
         if not _is_traced(pages, row, num_tokens):
-            r, host_pages, n = int(row), np.asarray(pages), int(num_tokens)
+            r, host_pages, n = int(np.asarray(row)), np.asarray(pages), int(np.asarray(num_tokens))
             if not 0 <= r < self.batch_size:
                 raise ValueError(f"{who}: row {r} is out of range for batch size {self.batch_size}.")
             if np.asarray(self.lengths[:, r]).any() or (np.asarray(store.block_table[r]) >= 0).any():
@@ -558,8 +573,16 @@ class PagedCache(KVCache):
                 raise ValueError(
                     f"{who}: num_tokens={n} must be the pages' tokens ({used.size} full pages of {store.page_size})."
                 )
+            if ((host_pages < -1) | (host_pages >= store.num_pages)).any():
+                raise ValueError(f"{who}: page ids {host_pages.tolist()} include one outside [0, {store.num_pages}).")
             if used.size and (np.asarray(store.refcount)[used] <= 0).any():
                 raise ValueError(f"{who}: pages {used.tolist()} include a free page; retain cached pages first.")
+        # Traced: a value outside its range (tested in its own dtype) attaches and pins nothing.
+        row = _rows_or(row, self.batch_size, self.batch_size)
+        num_tokens = _rows_or(num_tokens, store.max_pages * store.page_size + 1, -1)
+        ok = (row < self.batch_size) & (num_tokens >= 0)
+        row = jnp.where(ok, row, self.batch_size)
+        pages = jnp.where(ok, _rows_or(pages, store.num_pages, -1), -1)
         entries = jnp.full((store.max_pages,), NO_PAGE, jnp.int32).at[: pages.shape[0]].set(pages)
         table = store.block_table.at[row].set(entries, mode="drop")
         store = dataclasses.replace(store, block_table=table).pinned(pages, 1)
@@ -567,13 +590,14 @@ class PagedCache(KVCache):
         return dataclasses.replace(self, stores=(store,), lengths=lengths)._constrained()
 
     def _pinned(self, pages: Any, delta: int, who: str) -> PagedCache:
-        pages = jnp.asarray(pages)
+        traced = _is_traced(pages)
+        pages = pages if traced else np.asarray(pages)  # checked in its own dtype, never narrowed first
         if not jnp.issubdtype(pages.dtype, jnp.integer):
             raise TypeError(f"{who}: pages must be integer page ids, got dtype {pages.dtype}.")
-        pages = pages.astype(jnp.int32).reshape(-1)
+        pages = pages.reshape(-1)
         store = self.stores[0]
-        if not _is_traced(pages):
-            host = np.asarray(pages)
+        if not traced:
+            host = pages
             bad = host[(host >= store.num_pages) | (host < -1)]
             if bad.size:
                 raise ValueError(f"{who}: page ids {bad.tolist()} are outside [0, {store.num_pages}).")
@@ -586,4 +610,6 @@ class PagedCache(KVCache):
                         f"{who}: pages {under.tolist()} are not pinned (held {pins[under].tolist()} time(s) by a "
                         "pin); release only what retain pinned. A row's own pages are freed by reset or crop."
                     )
+        # Traced ids outside [0, num_pages), tested in their own dtype, pin nothing.
+        pages = _rows_or(pages, store.num_pages, -1)
         return dataclasses.replace(self, stores=(store.pinned(pages, delta),))._constrained()
