@@ -4,10 +4,6 @@ References are independent of the code under test: NumPy values, a plain StaticC
 same operations.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -83,42 +79,8 @@ def test_dynamic_cache_restore_refuses_a_target_with_more_layers():
         np.testing.assert_array_equal(np.asarray(back[layer][1]), np.full((1, 1, 2, 2), 2.0))
 
 
-def test_offloaded_cache_on_another_device_works_eagerly():
-    """OffloadedCache.init(device=d) put the host buffers on d but the staged copy, lengths and
-    flags on the default device: the first eager update raised 'incompatible devices'. Every
-    op now equals a StaticCache's, eagerly and under jit (two virtual CPU devices)."""
-    script = textwrap.dedent(
-        """
-        import jax, jax.numpy as jnp, numpy as np
-        from jaxkv import StaticCache
-        from jaxkv.offload import OffloadedCache
-        S = dict(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=2, max_length=6)
-        k = jnp.arange(8.0).reshape(2, 1, 2, 2)
-        def run(c):
-            for l in range(2):
-                c, _, _ = c.update(k + l, k, l, num_new=jnp.array([2, 1]))
-            c = c.reorder_cache(jnp.array([1, 0])).batch_repeat_interleave(2).batch_select_indices(jnp.array([0, 3]))
-            c = c.put_rows(jnp.array([1]), c.batch_select_indices(jnp.array([0]))).crop(-1)
-            seen = []
-            for l in range(2):
-                c, kk, _ = c.update(k * 2, k, l)
-                seen.append(kk)
-            return c, seen
-        for f in (run, jax.jit(run)):
-            (a, sa), (b, sb) = f(OffloadedCache.init(**S, device=jax.devices()[1])), f(StaticCache.init(**S))
-            np.testing.assert_array_equal(a.keys, b.keys)
-            np.testing.assert_array_equal(a.lengths, b.lengths)
-            for x, y in zip(sa, sb):
-                np.testing.assert_array_equal(x, y)
-            assert a.stores[0].keys.sharding.memory_kind == "pinned_host"
-            assert {d.id for x in jax.tree.leaves(a) for d in x.sharding.device_set} == {1}
-        print("ok")
-        """
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+# OffloadedCache.init(device=d) with d not the default device: tests/test_review_sharding.py
+# (its one multi-device subprocess).
 
 
 def test_step_copy_bytes_of_a_device_cache_and_bad_counts():

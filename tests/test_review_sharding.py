@@ -79,6 +79,28 @@ SCRIPT = textwrap.dedent(
     back = pickle.loads(pickle.dumps(ref))
     assert not back.keys.committed and devices_of(back) == {0}
 
+    # 2. OffloadedCache.init(device=d) put the host buffers on d but the staged copy, lengths
+    #    and flags on the default device: the first eager update raised 'incompatible
+    #    devices'. Every op now equals a StaticCache's, eagerly and under jit.
+    def run_ops(c):
+        for l in range(2):
+            c, _, _ = c.update(k + l, k, l, num_new=jnp.array([2, 1]))
+        c = c.reorder_cache(jnp.array([1, 0])).batch_repeat_interleave(2).batch_select_indices(jnp.array([0, 3]))
+        c = c.put_rows(jnp.array([1]), c.batch_select_indices(jnp.array([0]))).crop(-1)
+        seen = []
+        for l in range(2):
+            c, kk, _ = c.update(k * 2, k, l)
+            seen.append(kk)
+        return c, seen
+    for f in (run_ops, jax.jit(run_ops)):
+        (a, sa), (b, sb) = f(OffloadedCache.init(**S, device=jax.devices()[1])), f(StaticCache.init(**S))
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        for x, y in zip(sa, sb):
+            np.testing.assert_array_equal(x, y)
+        assert a.stores[0].keys.sharding.memory_kind == "pinned_host"
+        assert devices_of(a) == {1}, devices_of(a)
+
     assert not failures, "\\n".join(failures)
     print("ok")
     """
