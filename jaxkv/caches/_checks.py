@@ -10,6 +10,8 @@ import numpy as np
 
 Array = jax.Array
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 #: Flag bit: a write fell past ``max_length`` and was dropped.
 OVERFLOW = 1
 #: Flag bit: a traced row/layer index or ``num_new`` was out of range.
@@ -118,10 +120,10 @@ def _narrow_in_range(x: Array, stop: int) -> Array:
 def _check_num_tokens(num_tokens: Any, who: str) -> int:
     """``positions``' token count: a static int >= 0 (it is the width of the result)."""
     n = _static_int(num_tokens)
-    if n is None or n < 0:
+    if n is None or not 0 <= n <= _INT32_MAX:  # positions are int32: a wider count would wrap
         raise ValueError(
-            f"{who}: num_tokens must be an int >= 0 (the number of new tokens, a static shape), "
-            f"got {num_tokens!r}."
+            f"{who}: num_tokens must be an int >= 0 and <= 2**31 - 1 (the number of new tokens, a static "
+            f"shape; positions are int32), got {num_tokens!r}."
         )
     return n
 
@@ -215,9 +217,6 @@ def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Ar
     return jnp.where(invalid, 0, count).astype(jnp.int32), invalid
 
 
-_INT32_MAX = np.iinfo(np.int32).max
-
-
 def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
     """int32[B]: ``max_length`` per row, clamped to the int32 range (never wrapped).
 
@@ -308,9 +307,18 @@ def _raise_on_flags(flags: Array, who: str, overflow: str, invalid: str, out_of_
 
 
 def _check_sizes(who: str, **sizes: Any) -> None:
+    # Lengths, slots and positions are int32: a size past its range would wrap them.
     for name, value in sizes.items():
-        if _static_int(value) is None or value < 1:
-            raise ValueError(f"{who}: {name} must be an int >= 1, got {value!r}.")
+        if _static_int(value) is None or not 1 <= value <= _INT32_MAX:
+            raise ValueError(f"{who}: {name} must be an int >= 1, got {value!r} (and <= 2**31 - 1: lengths are int32).")
+
+
+def _check_extra(value: Any, name: str, who: str, base: int = 0) -> int:
+    """A static int ``>= 0`` that, added to ``base``, still fits int32 (slots are int32)."""
+    v = _static_int(value)
+    if v is None or v < 0 or base + v > _INT32_MAX:
+        raise ValueError(f"{who}: {name} must be an int >= 0, got {value!r} (and {base} + {name} must be <= 2**31 - 1).")
+    return v
 
 
 def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:

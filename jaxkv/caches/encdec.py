@@ -37,6 +37,7 @@ from jaxkv.caches._checks import (
     _check_reset_rows,
     _check_row_indices,
     _check_states,
+    _flag,
     _is_traced,
     _layer_index,
     _raise_on_flags,
@@ -93,7 +94,8 @@ class CrossAttentionCache:
         keys = jnp.stack([k.astype(dtype) for k, _ in pairs])
         values = jnp.stack([v.astype(dtype) for _, v in pairs])
         batch, enc = shape[0], shape[2]
-        return cls(keys, values, _check_lengths(lengths, batch, enc, who), jnp.zeros((batch,), jnp.int32))
+        lengths, bad = _check_lengths(lengths, batch, enc, who)
+        return cls(keys, values, lengths, _flag(bad, INVALID))
 
     @property
     def num_layers(self) -> int:
@@ -143,9 +145,11 @@ class CrossAttentionCache:
         )
 
 
-def _check_lengths(lengths: Any, batch: int, enc: int, who: str) -> Array:
+def _check_lengths(lengths: Any, batch: int, enc: int, who: str) -> tuple[Array, Array]:
+    """``(int32[B] lengths, bool[B] bad)``: a traced length outside ``[0, E]`` (tested in its
+    own dtype) empties the row and is reported as bad (flagged ``INVALID``), never clamped."""
     if lengths is None:
-        return jnp.full((batch,), enc, jnp.int32)
+        return jnp.full((batch,), enc, jnp.int32), jnp.zeros((batch,), bool)
     traced = _is_traced(lengths)
     lengths = lengths if traced else np.asarray(lengths)  # concrete: checked in its own dtype, never wrapped
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
@@ -158,8 +162,9 @@ def _check_lengths(lengths: Any, batch: int, enc: int, who: str) -> Array:
         if bad.any():
             row = int(np.argmax(bad))
             raise ValueError(f"{who}: lengths[{row}]={int(lengths[row])} is outside [0, {enc}] (encoder tokens).")
-        return jnp.asarray(lengths.astype(np.int32))
-    return jnp.clip(lengths, 0, enc).astype(jnp.int32)  # clipped in its own dtype, then narrowed
+        return jnp.asarray(lengths.astype(np.int32)), jnp.zeros((batch,), bool)
+    bad = (lengths < 0) | (lengths > enc)  # in its own dtype, before narrowing
+    return jnp.where(bad, 0, lengths).astype(jnp.int32), bad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +340,7 @@ class EncoderDecoderCache:
             keys=jnp.where(pick, new.keys, cross.keys),
             values=jnp.where(pick, new.values, cross.values),
             lengths=jnp.where(rows, new.lengths, cross.lengths),
-            flags=jnp.where(rows, 0, cross.flags),
+            flags=jnp.where(rows, new.flags, cross.flags),
         )
         return dataclasses.replace(self, cross_attention=merged)
 

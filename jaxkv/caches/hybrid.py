@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkv.caches._checks import _check_sizes, _floating_dtype, _static_int
+from jaxkv.caches._checks import _check_extra, _check_sizes, _floating_dtype
 from jaxkv.caches.container import KVCache
 from jaxkv.caches.contiguous import ContiguousStorage, StaticCache
 from jaxkv.caches.ring import RingStorage, SlidingWindowCache
@@ -94,8 +94,7 @@ class HybridCache(KVCache):
         _check_sizes(who, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_length=max_length)
         if num_sliding:
             _check_sizes(who, window=window)
-            if _static_int(extra_slots) is None or extra_slots < 0:  # an int or NumPy int, not a bool
-                raise ValueError(f"{who}: extra_slots must be an int >= 0, got {extra_slots!r}.")
+            extra_slots = _check_extra(extra_slots, "extra_slots", who, base=int(window))  # not a bool
         dtype = _floating_dtype(dtype, who)
         shared = (batch_size, num_kv_heads, head_dim)
         kinds = [k for k in (FULL, SLIDING) if k in types]

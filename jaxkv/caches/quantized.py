@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches._bits import stored_dtype, to_bits
-from jaxkv.caches._checks import _check_sizes, _floating_dtype, _static_int
+from jaxkv.caches._checks import _check_extra, _check_sizes, _floating_dtype, _static_int
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.contiguous import scatter_slots, token_slots
 from jaxkv.caches.views import QuantizedView
@@ -52,9 +52,10 @@ _QMAX = {8: 127, 4: 7}
 
 
 def _check_bits(bits: Any, who: str) -> int:
-    if bits not in _QMAX or isinstance(bits, bool):
+    b = _static_int(bits)  # an int or NumPy int: not a bool, not a float (8.0), not an array
+    if b not in _QMAX:
         raise ValueError(f"{who}: bits must be 8 or 4, got {bits!r}.")
-    return int(bits)
+    return b
 
 
 def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple[Array, Array]:
@@ -295,8 +296,7 @@ class QuantizedCache(KVCache):
         bits = _check_bits(bits, who)
         if bits == 4 and head_dim % 2:
             raise ValueError(f"{who}: int4 packs two values per byte, so head_dim must be even, got {head_dim}.")
-        if _static_int(residual_length) is None or residual_length < 0:
-            raise ValueError(f"{who}: residual_length must be an int >= 0, got {residual_length!r}.")
+        residual_length = _check_extra(residual_length, "residual_length", who)
         dtype = _floating_dtype(dtype, who)
         scale_dtype = _floating_dtype(scale_dtype, who)
         return cls._allocate(

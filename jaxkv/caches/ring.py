@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import register_dataclass
 
-from jaxkv.caches._checks import _check_sizes, _floating_dtype, _is_traced, _static_int
+from jaxkv.caches._checks import _check_extra, _check_sizes, _floating_dtype, _is_traced
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.contiguous import scatter_slots
 from jaxkv.caches.views import NO_POSITION, LayerView
@@ -208,8 +208,7 @@ class SlidingWindowCache(KVCache):
             who, num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
             head_dim=head_dim, window=window,
         )
-        if _static_int(extra_slots) is None or extra_slots < 0:
-            raise ValueError(f"{who}: extra_slots must be an int >= 0, got {extra_slots!r}.")
+        extra_slots = _check_extra(extra_slots, "extra_slots", who, base=int(window))
         dtype = _floating_dtype(dtype, who)
         return cls._allocate(
             lambda: [RingStorage.zeros(num_layers, batch_size, num_kv_heads, head_dim, int(window), extra_slots, dtype)],

@@ -1,0 +1,92 @@
+"""Review: indices, counts and sizes wider than int32 (or of the wrong kind) are refused or
+flagged, never wrapped, truncated or clamped onto valid data (README "Overflow policy")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.caches import (
+    INVALID,
+    CrossAttentionCache,
+    EncoderDecoderCache,
+    HybridCache,
+    QuantizedCache,
+    SlidingWindowCache,
+    StaticCache,
+    dequantize,
+    quantize,
+)
+
+_KW = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2)
+_WIDE = np.int64(2**32 + 1)
+
+
+def test_positions_refuses_num_tokens_past_int32():
+    # int32 positions cannot hold 2**32 + 1 tokens; eval_shape: the old code built the
+    # [B, 2**32 + 1] shape (and eagerly tried to allocate it) instead of refusing.
+    cache = StaticCache.init(**_KW, max_length=4)
+    for n in (_WIDE, 2**31):
+        with pytest.raises(ValueError, match="num_tokens must be an int >= 0"):
+            jax.eval_shape(lambda n=n: cache.positions(n))
+    assert cache.positions(np.int64(2)).tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: StaticCache.init(**_KW, max_length=_WIDE), "max_length"),
+        (lambda: StaticCache.init(**_KW, max_length=2**31), "max_length"),
+        (lambda: SlidingWindowCache.init(**_KW, window=_WIDE), "window"),
+        (lambda: SlidingWindowCache.init(**_KW, window=2, extra_slots=np.int64(2**32)), "extra_slots"),
+        (lambda: SlidingWindowCache.init(**_KW, window=2**31 - 1, extra_slots=1), "extra_slots"),
+        (lambda: HybridCache.init(layer_types=["sliding_attention"], batch_size=1, num_kv_heads=1, head_dim=2,
+                                  max_length=4, window=2, extra_slots=np.int64(2**32)), "extra_slots"),
+        (lambda: QuantizedCache.init(**_KW, max_length=4, residual_length=np.int64(2**32)), "residual_length"),
+    ],
+)
+def test_sizes_past_int32_refused(make, name):
+    # Lengths, ring slots and positions are int32: a size past that range would wrap them.
+    # eval_shape: the old code accepted these without allocating anything here.
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        jax.eval_shape(make)
+
+
+def test_quantized_bits_must_be_an_int():
+    for bits in (8.0, np.float32(4.0), True):
+        with pytest.raises(ValueError, match="bits must be 8 or 4"):
+            QuantizedCache.init(**_KW, max_length=4, bits=bits)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quantize(jnp.ones((1, 2)), bits=8.0)
+    q, s = quantize(jnp.ones((1, 2)), bits=4)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        dequantize(q, s, bits=4.0)
+    assert QuantizedCache.init(**_KW, max_length=4, bits=np.int64(4)).bits == 4
+
+
+def test_cross_lengths_traced_out_of_range_flagged_not_clamped():
+    # Under jit an out-of-range encoder length used to be clipped to [0, E] silently (the
+    # row then attended its padding); it now empties the row and flags it INVALID.
+    k = jnp.ones((3, 1, 2, 2))
+
+    @jax.jit
+    def build(lengths):
+        return CrossAttentionCache.from_layers([(k, k)], lengths)
+
+    cross = build(np.array([2**32 - 1, 1, 2], np.uint32))
+    assert cross.lengths.tolist() == [0, 1, 2]
+    assert cross.flags.tolist() == [INVALID, 0, 0]
+    with jax.enable_x64(True):
+        wide = build(np.array([2, -1, 2**32 + 1], np.int64))
+    assert wide.lengths.tolist() == [2, 0, 0]
+    assert wide.flags.tolist() == [0, INVALID, INVALID]
+
+    # set_cross_attention(rows=...) keeps the new rows' flags (it used to zero them).
+    cache = EncoderDecoderCache.create(StaticCache.init(num_layers=1, batch_size=3, num_kv_heads=1, head_dim=2,
+                                                        max_length=4), CrossAttentionCache.from_layers([(k, k)]))
+    cache = jax.jit(lambda c, n: c.set_cross_attention([(k, k)], n, rows=jnp.array([True, False, True])))(
+        cache, np.array([2**32 - 1, 2**32 - 1, 1], np.uint32))
+    assert cache.encoder_lengths().tolist() == [0, 2, 1]
+    assert cache.flags.tolist() == [INVALID, 0, 0]
+    with pytest.raises(Exception, match="out-of-range"):
+        cache.check()
