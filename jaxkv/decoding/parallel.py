@@ -145,7 +145,7 @@ def sample_n(
         raise ValueError(f"{who}: keys must have shape [batch, num_return_sequences] = [{batch}, {n}], got {list(keys.shape)}")
     vocab = model.config.vocab_size
     eos = check_token_id(eos_token_id, "eos_token_id", vocab, who)
-    pad = check_token_id(pad_token_id, "pad_token_id", vocab, who)
+    pad = check_token_id(pad_token_id, "pad_token_id", vocab, who, allow_none=False)  # None broke jnp.where
     graphdef, state = nnx.split(model)
     return _sample_n(
         graphdef,

@@ -192,6 +192,23 @@ class ServingLoop:
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
     def _check(self, request: Request, index: int, who: str) -> None:
+        # Token ids must be integers: numpy would truncate 2.9 to 2 (and take True as 1)
+        # when the prompt is copied into the int32 chunk, silently serving another prompt.
+        ids = np.asarray(request.prompt) if not isinstance(request.prompt, (str, bytes)) else None
+        integral = ids is not None and ids.ndim == 1 and (
+            np.issubdtype(ids.dtype, np.integer)
+            or (ids.dtype == object and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids))
+            or ids.size == 0  # reported as an empty prompt below
+        )
+        if not integral:
+            raise TypeError(
+                f"{who}: request {request.id!r} prompt must be a 1-D sequence of integer token ids, got "
+                f"{request.prompt!r}"
+            )
+        # A NaN or inf arrival is never <= any step: run() would loop forever.
+        arrival = request.arrival
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, np.integer)) or arrival < 0:
+            raise ValueError(f"{who}: request {request.id!r} arrival must be an int >= 0 (a loop step), got {arrival!r}")
         check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
                       f"request {request.id!r}")
 
@@ -237,6 +254,9 @@ class ServingLoop:
                 retire(row, "length")
 
         while len(done) < len(requests):
+            if pending and not waiting and all(slot is None for slot in slots):
+                # Nothing to do before the next arrival: jump there (the idle steps did nothing).
+                step = max(step, int(requests[pending[0]].arrival))
             while pending and requests[pending[0]].arrival <= step:
                 waiting.append(pending.pop(0))
             if self.policy == "continuous" or all(slot is None for slot in slots):

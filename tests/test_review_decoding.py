@@ -1,0 +1,74 @@
+"""Review of the decoding entry points' argument checks (see the review report).
+
+The serving loop took float / bool prompt ids (numpy truncated 2.9 to 2 when copying the
+prompt into its int32 chunk, so another prompt was served silently) and looped forever on
+a NaN or infinite ``arrival`` (never ``<= step``); a far arrival spun one empty loop step
+at a time. ``sample_n`` took ``pad_token_id=None`` and failed inside ``jnp.where``.
+"""
+
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv.decoding import ServingLoop, sample_n
+from jaxkv.decoding.serving import Request
+from test_decoding_reference import greedy_reference, make_model
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(seed=0, vocab_size=V, num_layers=1)
+
+
+@pytest.mark.parametrize("prompt", [(1.7, 2.9), (2.0, 3.0), (True, False), np.array([1.0, 2.0]), "ab", [[1, 2]]])
+def test_serving_loop_refuses_non_integer_prompt_ids(model, prompt):
+    loop = ServingLoop(model, num_slots=1, max_length=8, chunk_size=2)
+    with pytest.raises(TypeError, match="integer token ids"):
+        loop.run([Request(prompt, 2)])
+
+
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), 2.5, True, -1])
+def test_serving_loop_refuses_bad_arrival(model, arrival):
+    loop = ServingLoop(model, num_slots=1, max_length=8, chunk_size=2)
+
+    def hang(*_):
+        raise TimeoutError("ServingLoop.run did not return")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ValueError, match="arrival"):
+            loop.run([Request((1, 2), 2, arrival=arrival)])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_serving_loop_far_arrival_is_served_at_its_step(model):
+    """Idle steps before an arrival are skipped, not spun: same tokens and steps, at once."""
+    prompts = [[5, 9, 2], [8, 4]]
+    far = 10**9
+    loop = ServingLoop(model, num_slots=1, max_length=8, chunk_size=2)
+
+    def hang(*_):
+        raise TimeoutError("ServingLoop.run spun through idle steps")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(5)
+    try:
+        done = loop.run([Request(tuple(prompts[0]), 3), Request(tuple(prompts[1]), 3, arrival=far)])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    reference = greedy_reference(model, prompts, 3)
+    assert [list(c.tokens) for c in done] == reference
+    assert done[1].admitted_step == far and done[0].admitted_step == 0
+
+
+def test_sample_n_refuses_pad_none(model):
+    with pytest.raises(ValueError, match="pad_token_id"):
+        sample_n(model, np.array([[5, 9, 2]]), 2, num_return_sequences=2, key=jax.random.key(0), pad_token_id=None)
