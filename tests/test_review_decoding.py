@@ -72,3 +72,61 @@ def test_serving_loop_far_arrival_is_served_at_its_step(model):
 def test_sample_n_refuses_pad_none(model):
     with pytest.raises(ValueError, match="pad_token_id"):
         sample_n(model, np.array([[5, 9, 2]]), 2, num_return_sequences=2, key=jax.random.key(0), pad_token_id=None)
+
+
+# ---- PagedEngine: the same request checks (the serving loop's prompt and arrival checks
+# are shared through decoding._common), and its own seed and stop ids.
+
+
+def _engine(model):
+    from jaxkv.decoding.engine import PagedEngine
+
+    return PagedEngine(model, max_rows=1, max_length=8, num_pages=4, page_size=4, chunk_size=2)
+
+
+@pytest.mark.parametrize(
+    "field, bad, error, match",
+    [
+        ("prompt", (1.7, 2.9), TypeError, "integer token ids"),
+        ("prompt", np.array([1.0, 2.0]), TypeError, "integer token ids"),
+        ("arrival", float("nan"), ValueError, "arrival"),
+        ("arrival", -1, ValueError, "arrival"),
+        ("seed", 2**32 + 5, ValueError, r"seed must be in \[0, 2\*\*32\)"),  # wrapped onto seed 5
+        ("seed", -1, ValueError, r"seed must be in \[0, 2\*\*32\)"),
+        ("stop_token_ids", (3.0,), TypeError, "integer token ids"),  # a float never equals a token
+    ],
+)
+def test_engine_refuses_bad_request_fields(model, field, bad, error, match):
+    from jaxkv.decoding.engine import EngineRequest
+
+    request = EngineRequest(**{"prompt": (1, 2), "max_new_tokens": 2, field: bad})
+
+    def hang(*_):
+        raise TimeoutError("PagedEngine.run did not return")  # a NaN arrival is never reached
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        with pytest.raises(error, match=match):
+            _engine(model).run([request])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_engine_far_arrival_is_served_at_once_with_the_same_tokens(model):
+    """Idle steps before a far arrival are skipped (10**9 of them spun before), and the
+    request's tokens are those of the same request arriving at step 0."""
+    from jaxkv.decoding.engine import EngineRequest
+
+    def hang(*_):
+        raise TimeoutError("PagedEngine.run spun through idle steps")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        far = _engine(model).run([EngineRequest((5, 9, 2), 3, arrival=10**9)])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert [list(r.tokens) for r in far] == greedy_reference(model, [[5, 9, 2]], 3)

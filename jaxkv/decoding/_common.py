@@ -84,6 +84,30 @@ def check_token_id(
     return token
 
 
+def check_integer_ids(ids: Any, who: str, name: str) -> None:
+    """``ids`` is a 1-D sequence of integer token ids (empty allowed), else ``TypeError``.
+
+    NumPy would truncate 2.9 to 2 (and take True as 1) when ids are copied into an int32
+    buffer, silently serving other tokens; strings would be split into characters.
+    """
+    arr = None if isinstance(ids, (str, bytes)) else np.asarray(ids)
+    integral = arr is not None and arr.ndim == 1 and (
+        arr.size == 0
+        or np.issubdtype(arr.dtype, np.integer)
+        or (arr.dtype == object and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr))
+    )
+    if not integral:
+        raise TypeError(f"{who}: {name} must be a 1-D sequence of integer token ids, got {ids!r}")
+
+
+def check_arrival(arrival: Any, who: str, label: str) -> int:
+    """A request's arrival step: an int >= 0 (a NaN or inf arrival is never reached: the
+    serving loop would wait for it forever)."""
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, np.integer)) or arrival < 0:
+        raise ValueError(f"{who}: {label} arrival must be an int >= 0 (a loop step), got {arrival!r}")
+    return int(arrival)
+
+
 def check_request(
     prompt: Any, max_new_tokens: Any, max_length: int, vocab_size: int, who: str, index: int, label: str
 ) -> None:
@@ -93,6 +117,7 @@ def check_request(
     from jaxkv._checks import check_token_ids
 
     name = label
+    check_integer_ids(prompt, who, f"{label} prompt")
     if len(prompt) < 1:
         raise ValueError(f"{who}: {name} has an empty prompt; it needs at least one token")
     check_token_ids(prompt, vocab_size, who, name=f"requests[{index}].prompt")

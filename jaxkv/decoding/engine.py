@@ -63,7 +63,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
-from jaxkv.decoding._common import check_positive_int, check_request, forward
+from jaxkv.decoding._common import check_arrival, check_integer_ids, check_positive_int, check_request, forward
 from jaxkv.sampling import SamplingConfig, TokenHistory, apply_temperature, penalise, record_tokens, token_counts
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
@@ -83,7 +83,7 @@ class EngineRequest:
         repetition_penalty, presence_penalty, frequency_penalty: as in
             :class:`jaxkv.sampling.SamplingConfig` (1.0, 0.0, 0.0: off); they apply to
             greedy requests too.
-        seed: sampling seed; token ``i`` uses ``fold_in(PRNGKey(seed), i)``.
+        seed: sampling seed, an int in ``[0, 2**32)``; token ``i`` uses ``fold_in(PRNGKey(seed), i)``.
         stop_token_ids: tokens that end the request (kept in its output).
         arrival: the engine step at which the request becomes visible.
         id: anything hashable naming the request (default: its index).
@@ -351,6 +351,9 @@ class PagedEngine:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"{who}: request {index} seed must be an int (e.g. seed=0), got {seed!r} of type "
                             f"{type(seed).__name__}; a non-integral seed would be truncated")
+        if not 0 <= seed < 2**32:  # seeds are uint32 on the device: a wider one would wrap onto another
+            raise ValueError(f"{who}: request {index} seed must be in [0, 2**32), got {seed}")
+        check_arrival(request.arrival, who, f"request {index}")
         try:  # the penalties and min-p: SamplingConfig's own checks and messages
             SamplingConfig(min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
@@ -359,6 +362,7 @@ class PagedEngine:
         if _has_penalty(request) and self._vocab_size is None:
             raise ValueError(f"{who}: request {index} has a penalty, which needs the vocabulary size; the model has "
                              "no config.vocab_size")
+        check_integer_ids(list(request.stop_token_ids), who, f"request {index} stop_token_ids")
         check_token_ids(list(request.stop_token_ids), self._vocab_size, who, name=f"requests[{index}].stop_token_ids")
 
     # ---- the loop
@@ -511,7 +515,7 @@ class PagedEngine:
                     )
                 if not pending:
                     break
-                step += 1
+                step = max(step + 1, int(requests[pending[0]].arrival))  # idle: jump to the next arrival
                 continue
 
             # ---- what each row brings this step
@@ -583,7 +587,7 @@ class PagedEngine:
                 temperature[j] = req.temperature
                 top_p[j] = 1.0 if req.top_p is None else req.top_p
                 min_p[j] = req.min_p or 0.0
-                seeds[j] = np.uint32(int(req.seed) % 2**32)
+                seeds[j] = np.uint32(int(req.seed))  # checked: in [0, 2**32)
                 index[j] = len(generated[run.index])
                 rep[j], pres[j], freq[j] = req.repetition_penalty, req.presence_penalty, req.frequency_penalty
                 emits[j] = run.written + k >= len(run.prompt)

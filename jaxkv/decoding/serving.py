@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.decoding._common import check_positive_int, check_request, check_token_id, forward
+from jaxkv.decoding._common import check_arrival, check_positive_int, check_request, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
 from jaxkv.generation import init_model_cache
 from jaxkv.sampling import greedy
@@ -192,23 +192,7 @@ class ServingLoop:
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
     def _check(self, request: Request, index: int, who: str) -> None:
-        # Token ids must be integers: numpy would truncate 2.9 to 2 (and take True as 1)
-        # when the prompt is copied into the int32 chunk, silently serving another prompt.
-        ids = np.asarray(request.prompt) if not isinstance(request.prompt, (str, bytes)) else None
-        integral = ids is not None and ids.ndim == 1 and (
-            np.issubdtype(ids.dtype, np.integer)
-            or (ids.dtype == object and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids))
-            or ids.size == 0  # reported as an empty prompt below
-        )
-        if not integral:
-            raise TypeError(
-                f"{who}: request {request.id!r} prompt must be a 1-D sequence of integer token ids, got "
-                f"{request.prompt!r}"
-            )
-        # A NaN or inf arrival is never <= any step: run() would loop forever.
-        arrival = request.arrival
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, np.integer)) or arrival < 0:
-            raise ValueError(f"{who}: request {request.id!r} arrival must be an int >= 0 (a loop step), got {arrival!r}")
+        check_arrival(request.arrival, who, f"request {request.id!r}")
         check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
                       f"request {request.id!r}")
 
