@@ -130,3 +130,25 @@ def test_engine_far_arrival_is_served_at_once_with_the_same_tokens(model):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert [list(r.tokens) for r in far] == greedy_reference(model, [[5, 9, 2]], 3)
+
+
+def test_beam_early_stopping_takes_bools_and_never_only(model):
+    from jaxkv.decoding import beam_search
+
+    for bad in (1, 0, 1.0, "True"):  # 1 == True, so `in (True, False, "never")` let it pass
+        with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+            beam_search(model, np.array([[1, 2]]), max_new_tokens=2, num_beams=2, early_stopping=bad)
+
+
+def test_chunked_prefill_return_logits_is_a_bool(model):
+    from jaxkv.decoding import chunked_prefill
+
+    cache = model.init_cache(batch_size=1, max_length=8)
+    with pytest.raises(TypeError, match="return_logits must be True or False"):
+        chunked_prefill(model, np.array([[1, 2, 3]]), cache, chunk_size=2, return_logits="no")
+
+
+@pytest.mark.parametrize("key", [0, [0, 1]])
+def test_sample_n_refuses_a_key_that_is_not_a_jax_key(model, key):
+    with pytest.raises(TypeError, match="must be a JAX PRNG key"):
+        sample_n(model, np.array([[1, 2]]), max_new_tokens=2, num_return_sequences=2, key=key, pad_token_id=0)

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
@@ -264,7 +265,9 @@ def beam_search(
     r = check_positive_int(num_return_sequences, "num_return_sequences", who)
     if r > k:
         raise ValueError(f"{who}: num_return_sequences ({r}) must be <= num_beams ({k})")
-    if early_stopping not in (True, False, "never"):
+    if isinstance(early_stopping, np.bool_):
+        early_stopping = bool(early_stopping)
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):  # 1 or 1.0 are not True here
         raise ValueError(f"{who}: early_stopping must be True, False or 'never', got {early_stopping!r}")
     if (
         isinstance(length_penalty, bool)

@@ -100,6 +100,9 @@ def chunked_prefill(
     check_model(model, who)
     input_ids, prompt_lengths = check_prompts(input_ids, prompt_lengths, who, vocab_size=model_vocab_size(model))
     chunk = check_positive_int(chunk_size, "chunk_size", who)
+    if not isinstance(return_logits, (bool, np.bool_)):  # a static argument: "no" would mean True
+        raise TypeError(f"{who}: return_logits must be True or False, got {return_logits!r}")
+    return_logits = bool(return_logits)
     check_cache(cache, who)
     batch, prompt_len = input_ids.shape
     free = free_slots(cache)

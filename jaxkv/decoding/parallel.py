@@ -137,6 +137,10 @@ def sample_n(
     batch = input_ids.shape[0]
     if (key is None) == (keys is None):
         raise ValueError(f"{who}: pass exactly one of key (one PRNG key) or keys ([batch, n] keys)")
+    for name, k in (("key", key), ("keys", keys)):
+        if k is not None and not hasattr(k, "dtype"):  # 0 or a list: not a key (raw uint32 key data is fine)
+            raise TypeError(f"{who}: {name} must be a JAX PRNG key (jax.random.key(seed) or a split of one), got "
+                            f"{type(k).__name__} {k!r}")
     if keys is None:
         keys = sample_keys(key, batch, n)
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
