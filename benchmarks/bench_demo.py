@@ -95,7 +95,7 @@ def sampling_over_vocabulary():
 def old_stream(model, ids, max_new_tokens, sampling, key):
     """The stream and CLI loop before issue 17: one donated jitted step per token, a host
     round trip per token, the whole output detokenized again per token. Yields text."""
-    ids, lengths, row_keys, stop_ids, chunk = _prepare(
+    ids, lengths, row_keys, stop_ids, chunk, _, _ = _prepare(
         model, ids, max_new_tokens, None, key, None, 0, sampling, True, 512, "old"
     )
     graphdef, state = nnx.split(model)
@@ -154,13 +154,13 @@ def device_only(model, ids, max_new_tokens, sampling, key, tokens_per_call):
     _, lengths, row_keys, stop_ids, pad_id, _, _, chunk = s._args
 
     def run(tokenizer):
-        last, cache = s._prefill(s._leaves, s._args[0], lengths, s._empty_cache(), row_keys, sampling=sampling,
-                                 chunk_size=chunk)
+        last, cache, history = s._prefill(s._leaves, s._args[0], lengths, s._empty_cache(), row_keys,
+                                          *s._history_prompt, sampling=sampling, chunk_size=chunk)
         done, limit = jnp.zeros((1,), bool), jnp.int32(max_new_tokens)
         for step in range(1, max_new_tokens, tokens_per_call):
-            tokens, _, last, cache, done = s._decode(
+            tokens, _, last, cache, done, history = s._decode(
                 s._leaves, last, cache, row_keys, jnp.int32(step), done, stop_ids, jnp.int32(pad_id), limit,
-                sampling=sampling, num_steps=tokens_per_call,
+                history, sampling=sampling, num_steps=tokens_per_call,
             )
         tokens.block_until_ready()
         yield from ()
