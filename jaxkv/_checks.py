@@ -42,6 +42,14 @@ def model_vocab_size(model: Any) -> int | None:
     return None if size is None else int(size)
 
 
+def integral_ids(ids: np.ndarray) -> bool:
+    """Whether a NumPy array of token ids holds integers: an integer dtype, or Python / NumPy
+    ints in an object array (ints beyond int64); bools and floats are not ids."""
+    return np.issubdtype(ids.dtype, np.integer) or (
+        ids.dtype == object and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ids.flat)
+    )
+
+
 def check_token_ids(token_ids: Any, vocab_size: int | None, who: str, *, name: str = "input_ids") -> None:
     """Raises if a concrete token id lies outside ``[0, vocab_size)``; tracers pass unchecked.
 
@@ -60,10 +68,7 @@ def check_token_ids(token_ids: Any, vocab_size: int | None, who: str, *, name: s
     if vocab_size is None or isinstance(token_ids, jax.core.Tracer):
         return
     ids = np.asarray(token_ids)
-    integral = np.issubdtype(ids.dtype, np.integer) or (
-        ids.dtype == object and all(isinstance(v, (int, np.integer)) for v in ids.flat)  # ints beyond int64
-    )
-    if ids.size == 0 or not integral:
+    if ids.size == 0 or not integral_ids(ids):
         return  # shape and dtype problems are reported by the callers' own checks
     bad = (ids < 0) | (ids >= vocab_size)
     if not bad.any():

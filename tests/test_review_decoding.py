@@ -6,6 +6,7 @@ a NaN or infinite ``arrival`` (never ``<= step``); a far arrival spun one empty 
 at a time. ``sample_n`` took ``pad_token_id=None`` and failed inside ``jnp.where``.
 """
 
+import contextlib
 import signal
 
 import jax
@@ -17,6 +18,23 @@ from jaxkv.decoding.serving import Request
 from test_decoding_reference import greedy_reference, make_model
 
 V = 64
+
+
+@contextlib.contextmanager
+def deadline(seconds, message):
+    """Raises TimeoutError(message) in the block after ``seconds``: a loop that never ends
+    (the bug these tests pin) fails the test instead of hanging the suite."""
+
+    def expired(*_):
+        raise TimeoutError(message)
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +52,9 @@ def test_serving_loop_refuses_non_integer_prompt_ids(model, prompt):
 @pytest.mark.parametrize("arrival", [float("nan"), float("inf"), 2.5, True, -1])
 def test_serving_loop_refuses_bad_arrival(model, arrival):
     loop = ServingLoop(model, num_slots=1, max_length=8, chunk_size=2)
-
-    def hang(*_):
-        raise TimeoutError("ServingLoop.run did not return")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(5)
-    try:
+    with deadline(5, "ServingLoop.run did not return"):
         with pytest.raises(ValueError, match="arrival"):
             loop.run([Request((1, 2), 2, arrival=arrival)])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def test_serving_loop_far_arrival_is_served_at_its_step(model):
@@ -53,17 +62,8 @@ def test_serving_loop_far_arrival_is_served_at_its_step(model):
     prompts = [[5, 9, 2], [8, 4]]
     far = 10**9
     loop = ServingLoop(model, num_slots=1, max_length=8, chunk_size=2)
-
-    def hang(*_):
-        raise TimeoutError("ServingLoop.run spun through idle steps")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(5)
-    try:
+    with deadline(5, "ServingLoop.run spun through idle steps"):
         done = loop.run([Request(tuple(prompts[0]), 3), Request(tuple(prompts[1]), 3, arrival=far)])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     reference = greedy_reference(model, prompts, 3)
     assert [list(c.tokens) for c in done] == reference
     assert done[1].admitted_step == far and done[0].admitted_step == 0
@@ -100,18 +100,9 @@ def test_engine_refuses_bad_request_fields(model, field, bad, error, match):
     from jaxkv.decoding.engine import EngineRequest
 
     request = EngineRequest(**{"prompt": (1, 2), "max_new_tokens": 2, field: bad})
-
-    def hang(*_):
-        raise TimeoutError("PagedEngine.run did not return")  # a NaN arrival is never reached
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(60)
-    try:
+    with deadline(60, "PagedEngine.run did not return"):  # a NaN arrival is never reached
         with pytest.raises(error, match=match):
             _engine(model).run([request])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def test_engine_far_arrival_is_served_at_once_with_the_same_tokens(model):
@@ -119,16 +110,8 @@ def test_engine_far_arrival_is_served_at_once_with_the_same_tokens(model):
     request's tokens are those of the same request arriving at step 0."""
     from jaxkv.decoding.engine import EngineRequest
 
-    def hang(*_):
-        raise TimeoutError("PagedEngine.run spun through idle steps")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(60)
-    try:
+    with deadline(60, "PagedEngine.run spun through idle steps"):
         far = _engine(model).run([EngineRequest((5, 9, 2), 3, arrival=10**9)])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     assert [list(r.tokens) for r in far] == greedy_reference(model, [[5, 9, 2]], 3)
 
 

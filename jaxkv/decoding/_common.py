@@ -90,13 +90,10 @@ def check_integer_ids(ids: Any, who: str, name: str) -> None:
     NumPy would truncate 2.9 to 2 (and take True as 1) when ids are copied into an int32
     buffer, silently serving other tokens; strings would be split into characters.
     """
+    from jaxkv._checks import integral_ids
+
     arr = None if isinstance(ids, (str, bytes)) else np.asarray(ids)
-    integral = arr is not None and arr.ndim == 1 and (
-        arr.size == 0
-        or np.issubdtype(arr.dtype, np.integer)
-        or (arr.dtype == object and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr))
-    )
-    if not integral:
+    if arr is None or arr.ndim != 1 or not (arr.size == 0 or integral_ids(arr)):
         raise TypeError(f"{who}: {name} must be a 1-D sequence of integer token ids, got {ids!r}")
 
 
@@ -109,14 +106,16 @@ def check_arrival(arrival: Any, who: str, label: str) -> int:
 
 
 def check_request(
-    prompt: Any, max_new_tokens: Any, max_length: int, vocab_size: int, who: str, index: int, label: str
+    prompt: Any, max_new_tokens: Any, arrival: Any, max_length: int, vocab_size: int, who: str, index: int, label: str
 ) -> None:
-    """A serving request's prompt (non-empty, ids in the vocabulary) and ``max_new_tokens``
-    (>= 1) fit a row of ``max_length`` tokens (the last generated token is never stored).
-    ``label`` names the request in messages; token ids are named ``requests[index].prompt``."""
+    """A serving request's prompt (non-empty, integer ids in the vocabulary) and
+    ``max_new_tokens`` (>= 1) fit a row of ``max_length`` tokens (the last generated token is
+    never stored), and its ``arrival`` is a loop step. ``label`` names the request in
+    messages; token ids are named ``requests[index].prompt``."""
     from jaxkv._checks import check_token_ids
 
     name = label
+    check_arrival(arrival, who, label)
     check_integer_ids(prompt, who, f"{label} prompt")
     if len(prompt) < 1:
         raise ValueError(f"{who}: {name} has an empty prompt; it needs at least one token")

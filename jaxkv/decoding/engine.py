@@ -63,7 +63,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
-from jaxkv.decoding._common import check_arrival, check_integer_ids, check_positive_int, check_request, forward
+from jaxkv.decoding._common import check_integer_ids, check_positive_int, check_request, forward
 from jaxkv.sampling import SamplingConfig, TokenHistory, apply_temperature, penalise, record_tokens, token_counts
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
@@ -338,8 +338,8 @@ class PagedEngine:
     # ---- checks
 
     def _check(self, request: EngineRequest, index: int, who: str) -> None:
-        check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
-                      f"request {index}")
+        check_request(request.prompt, request.max_new_tokens, request.arrival, self.max_length, self._vocab_size,
+                      who, index, f"request {index}")
         t = request.temperature
         if not (_is_real(t) and np.isfinite(t) and t >= 0):
             raise ValueError(f"{who}: request {index} temperature must be a finite number >= 0 (0 is greedy), "
@@ -353,7 +353,6 @@ class PagedEngine:
                             f"{type(seed).__name__}; a non-integral seed would be truncated")
         if not 0 <= seed < 2**32:  # seeds are uint32 on the device: a wider one would wrap onto another
             raise ValueError(f"{who}: request {index} seed must be in [0, 2**32), got {seed}")
-        check_arrival(request.arrival, who, f"request {index}")
         try:  # the penalties and min-p: SamplingConfig's own checks and messages
             SamplingConfig(min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)

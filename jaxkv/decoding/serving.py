@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.decoding._common import check_arrival, check_positive_int, check_request, check_token_id, forward
+from jaxkv.decoding._common import check_positive_int, check_request, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
 from jaxkv.generation import init_model_cache
 from jaxkv.sampling import greedy
@@ -192,9 +192,8 @@ class ServingLoop:
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
     def _check(self, request: Request, index: int, who: str) -> None:
-        check_arrival(request.arrival, who, f"request {request.id!r}")
-        check_request(request.prompt, request.max_new_tokens, self.max_length, self._vocab_size, who, index,
-                      f"request {request.id!r}")
+        check_request(request.prompt, request.max_new_tokens, request.arrival, self.max_length, self._vocab_size,
+                      who, index, f"request {request.id!r}")
 
     def run(self, requests: Sequence[Request]) -> list[Completion]:
         """Serves ``requests`` to completion; returns their completions in request order.
