@@ -156,9 +156,15 @@ TOKENS = np.random.default_rng(2).integers(0, VOCAB, (2, 9))
 
 def test_prefill_and_decode_match_full_forward_despite_nan_padding():
     src, src_len = sources()
-    # Its own jitted step: decode_jit is shared with the other tests of this module, which
-    # (in whatever order the workers take them) compile it for their own chunk sizes.
-    step = jax.jit(decode, donate_argnums=0)
+    # Its own jitted step over a new function: decode_jit is shared with the other tests of
+    # this module, which (in whatever order the workers take them) compile it for their own
+    # chunk sizes, and jax.jit(decode, donate_argnums=0) would share that same cache too (JAX
+    # keys its compiled-program cache on the function and the jit arguments, not on the jit
+    # object: CI counted 5 and 7 that way).
+    def own_decode(cache, tokens):
+        return decode(cache, tokens)
+
+    step = jax.jit(own_decode, donate_argnums=0)
     logits, cache = run(new_cache(src, src_len), TOKENS, [3, 1, 1, 1, 2, 1], step=step)
     np.testing.assert_allclose(logits, np_forward(src, src_len, TOKENS), rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 9 and cache.encoder_lengths().tolist() == [6, 4]
