@@ -59,3 +59,19 @@ def _one_torch_thread():
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache():
+    # `jaxkv.cli.main` turns on JAX's persistent compilation cache for its process (the CLI's
+    # cold start). Called in a pytest worker without JAXKV_COMPILATION_CACHE=0, it turned it
+    # on for every later test of that worker: each of ~1300 programs was then written to
+    # ~/.cache/jaxkv/xla (and read back on the next run), so the suite measured and wrote
+    # outside its own directory. Tests that run the CLI in-process set that variable.
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.config.jax_compilation_cache_dir:
+        directory = jax.config.jax_compilation_cache_dir
+        jax.config.update("jax_compilation_cache_dir", None)
+        pytest.fail(f"this test turned on JAX's persistent compilation cache ({directory}); "
+                    "set JAXKV_COMPILATION_CACHE=0 before calling jaxkv.cli.main in-process")

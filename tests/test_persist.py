@@ -350,10 +350,12 @@ def test_model_fingerprint_follows_config_and_weights():
 # --------------------------------------------------------------------------- generation
 
 
-def test_cli_prompt_cache_gives_the_same_text_as_a_fresh_prompt(tmp_path, capsys):
+def test_cli_prompt_cache_gives_the_same_text_as_a_fresh_prompt(tmp_path, capsys, monkeypatch):
     """Greedy, embedded model: fresh prefill (saves), restored, and a longer prompt that
     the saved one serves as a prefix, each against a run without the prompt cache."""
     from jaxkv.cli import main
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")  # in this process: leave JAX's settings alone
 
     path = tmp_path / "p.safetensors"
 
