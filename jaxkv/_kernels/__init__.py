@@ -1,11 +1,13 @@
 """Native kernels, built on first use with the machine's C++ compiler.
 
-``decode_attention.cc`` holds two XLA:CPU FFI handlers running the same loops: decode
-attention that reads a stacked ``StaticCache`` buffer in place, and the same over a
-``PagedCache`` pool read through the block table (see its header comment and
+``decode_attention.cc`` holds three XLA:CPU FFI handlers running the same loops: decode
+attention that reads a stacked ``StaticCache`` buffer in place, the same over a
+``PagedCache`` pool read through the block table, and over a ``QuantizedCache``'s int8/int4
+codes and scales, dequantized in registers (see its header comment and
 :mod:`jaxkv.attention.blockwise`). It is compiled once per (source, jaxlib, compiler, CPU)
 into a cache directory, loaded with ctypes and registered as the FFI targets
-``jaxkv_decode_attention`` and ``jaxkv_paged_decode_attention`` for the CPU platform.
+``jaxkv_decode_attention``, ``jaxkv_paged_decode_attention`` and
+``jaxkv_quantized_decode_attention`` for the CPU platform.
 
 Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_KERNEL=0``,
 :func:`available` is False and attention runs the pure-XLA blockwise loop (one warning says
@@ -30,10 +32,11 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["available", "build", "PAGED_TARGET", "TARGET"]
+__all__ = ["available", "build", "PAGED_TARGET", "QUANTIZED_TARGET", "TARGET"]
 
 TARGET = "jaxkv_decode_attention"
 PAGED_TARGET = "jaxkv_paged_decode_attention"
+QUANTIZED_TARGET = "jaxkv_quantized_decode_attention"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 FLAGS = [
     "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
@@ -128,6 +131,9 @@ def available() -> bool:
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxkvDecodeAttention), platform="cpu")
                 jax.ffi.register_ffi_target(
                     PAGED_TARGET, jax.ffi.pycapsule(library.JaxkvPagedDecodeAttention), platform="cpu"
+                )
+                jax.ffi.register_ffi_target(
+                    QUANTIZED_TARGET, jax.ffi.pycapsule(library.JaxkvQuantizedDecodeAttention), platform="cpu"
                 )
                 _state["library"] = library
                 _state["ok"] = True

@@ -25,6 +25,14 @@
 // group of queries may read slots some of them do not see (a chunk's future, a window's
 // start): those get weight 0 and are skipped, never multiplied in (0 * NaN is NaN).
 //
+// The quantized targets (JaxkvQuantizedDecodeAttention, JaxkvPagedQuantizedDecodeAttention)
+// read int8 codes, or uint8 bytes holding two int4 codes (even head-dim element in the low
+// nibble, odd in the high one, two's complement), with one scale per (slot, kv head):
+// key_scales/value_scales [L, B, H, S] (pages: [L, P, H, ps]), f32 or bf16 bits as u16. The key
+// scale multiplies a slot's logit ((q . codes) * s_k) and the value scale its weight
+// ((p * s_v) . codes): the codes are dequantized in registers, never written out. A non-finite
+// scale of a visible slot makes its logit or its weighted value non-finite: the row is NaN.
+//
 // Work items are (row, kv head, slot range) pieces of about the same size; each keeps its
 // own running max, sum and weighted values per query, merged at the end (split-K).
 
@@ -38,6 +46,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -114,6 +123,15 @@ struct Problem {
   const int32_t* kv_len; // [B]
   const int32_t* table = nullptr;  // [B, M] pages of each row; null: contiguous
   int64_t pages = 0, max_pages = 0, page_shift = 0;  // P, M, log2(ps)
+  int64_t row_elems = 0;  // stored elements per key/value row: D, or D / 2 for int4 bytes
+  const void* key_scales = nullptr;    // quantized: the layer's [B, H, S] (or [P, H, ps]) scales
+  const void* value_scales = nullptr;
+  bool scales_bf16 = false;  // scales as bf16 bits (else f32)
+};
+
+// Two int4 codes per byte (the element type of an int4 row).
+struct Int4 {
+  uint8_t byte;
 };
 
 // Where the key (or value) row of slot s of one (row, kv head) lies: slot s of the stacked
@@ -122,8 +140,8 @@ template <typename KV>
 struct ContiguousRows {
   const KV* base;
   int64_t dim;
-  ContiguousRows(const Problem& pb, const void* buffer, int64_t row, int64_t head)
-      : base(static_cast<const KV*>(buffer) + (row * pb.kv_heads + head) * pb.slots * pb.head_dim), dim(pb.head_dim) {}
+  ContiguousRows(const Problem& pb, const void* buffer, int64_t row, int64_t head, int64_t dim)
+      : base(static_cast<const KV*>(buffer) + (row * pb.kv_heads + head) * pb.slots * dim), dim(dim) {}
   const KV* operator()(int64_t s) const { return base + s * dim; }
 };
 
@@ -133,11 +151,11 @@ struct PagedRows {
   const KV* base;  // the head's block in page 0
   const int32_t* table;  // the row's M entries
   int64_t page_stride, dim, mask, shift, last_page;
-  PagedRows(const Problem& pb, const void* pool, int64_t row, int64_t head)
-      : base(static_cast<const KV*>(pool) + (head << pb.page_shift) * pb.head_dim),
+  PagedRows(const Problem& pb, const void* pool, int64_t row, int64_t head, int64_t dim)
+      : base(static_cast<const KV*>(pool) + (head << pb.page_shift) * dim),
         table(pb.table + row * pb.max_pages),
-        page_stride((pb.kv_heads << pb.page_shift) * pb.head_dim),
-        dim(pb.head_dim),
+        page_stride((pb.kv_heads << pb.page_shift) * dim),
+        dim(dim),
         mask((int64_t(1) << pb.page_shift) - 1),
         shift(pb.page_shift),
         last_page(pb.pages - 1) {}
@@ -214,18 +232,54 @@ inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float s
 // What a piece reads: its kv head's key and value rows (by slot, through `Rows`), its
 // queries ([G, T, D], contiguous) and each query's visible range; the queries' states are
 // reset in `part`.
+// A quantized piece's per-slot scales, in the layout of its codes (one element per row);
+// floats have none (every scale 1).
+template <template <typename> class Layout>
+struct Scales {
+  Layout<float> f32;
+  Layout<uint16_t> bf16;
+  bool is_bf16, used;
+  Scales(const Problem& pb, const void* buffer, int64_t row, int64_t head)
+      : f32(pb, buffer, row, head, 1), bf16(pb, buffer, row, head, 1), is_bf16(pb.scales_bf16), used(buffer != nullptr) {}
+  float operator()(int64_t s) const { return is_bf16 ? to_float(*bf16(s)) : *f32(s); }
+};
+
+template <typename T> using ContiguousOf = ContiguousRows<T>;
+template <typename T> using PagedOf = PagedRows<T>;
+
+template <typename Rows> struct LayoutOf;
+template <typename KV> struct LayoutOf<ContiguousRows<KV>> {
+  template <typename T> using type = ContiguousRows<T>;
+};
+template <typename KV> struct LayoutOf<PagedRows<KV>> {
+  template <typename T> using type = PagedRows<T>;
+};
+
 template <typename Rows>
 struct PieceView {
   Rows keys, values;
+  Scales<LayoutOf<Rows>::template type> key_scales, value_scales;
   const float* queries;
   std::vector<int64_t> lo, hi;
   PieceView(const Problem& pb, const Piece& pc, float* part)
-      : keys(pb, pb.keys, pc.row, pc.head), values(pb, pb.values, pc.row, pc.head),
+      : keys(pb, pb.keys, pc.row, pc.head, pb.row_elems), values(pb, pb.values, pc.row, pc.head, pb.row_elems),
+        key_scales(pb, pb.key_scales, pc.row, pc.head), value_scales(pb, pb.value_scales, pc.row, pc.head),
         queries(pb.q + (pc.row * pb.kv_heads + pc.head) * pb.groups * pb.tokens * pb.head_dim),
         lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens) {
     visible_ranges(pb, pc, part, lo.data(), hi.data());
   }
 };
+
+// Element d of a stored row, as float: a float, bf16 bits, an int8 code or an int4 code.
+inline float element(const float* row, int64_t d) { return row[d]; }
+inline float element(const uint16_t* row, int64_t d) { return to_float(row[d]); }
+inline float element(const int8_t* row, int64_t d) { return float(row[d]); }
+inline float element(const Int4* row, int64_t d) {
+  const int32_t byte = row[d >> 1].byte;
+  const int32_t nibble = (d & 1) ? byte >> 4 : byte & 15;
+  return float((nibble ^ 8) - 8);
+}
+template <typename KV> constexpr bool kQuantized = std::is_same<KV, int8_t>::value || std::is_same<KV, Int4>::value;
 
 // Any head dim: one query at a time, plain loops.
 template <typename KV, typename Rows>
@@ -244,7 +298,8 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = keys(c0 + j);
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(k[d]);
+        for (int64_t d = 0; d < D; ++d) dot += q[d] * element(k, d);
+        if (kQuantized<KV>) dot *= in.key_scales(c0 + j);
         scores[j] = dot;
       }
       const float correction = fold_scores(scores, n, 0, n, pb.softcap, state);
@@ -252,7 +307,8 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
       for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
       for (int64_t j = 0; j < n; ++j) {
         const KV* v = values(c0 + j);
-        for (int64_t d = 0; d < D; ++d) acc[d] += scores[j] * to_float(v[d]);
+        const float w = kQuantized<KV> ? scores[j] * in.value_scales(c0 + j) : scores[j];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * element(v, d);
       }
     }
   }
@@ -278,13 +334,36 @@ inline Vec load16(const uint16_t* p) {  // bf16 is the high half of an f32
   return v;
 }
 
+typedef int8_t Char16 __attribute__((vector_size(16)));
+typedef uint8_t Byte8 __attribute__((vector_size(8)));
+typedef int32_t Int8Lanes __attribute__((vector_size(32)));
+typedef int32_t Int16Lanes __attribute__((vector_size(64)));
+
+inline Vec load16(const int8_t* p) {  // 16 int8 codes
+  Char16 c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, Vec);
+}
+inline Vec load16(const Int4* p) {  // 8 bytes: 16 int4 codes, the even ones in the low nibbles
+  Byte8 c;
+  std::memcpy(&c, p, sizeof c);
+  const Int8Lanes w = __builtin_convertvector(c, Int8Lanes);
+  const Int8Lanes lo = ((w & 15) ^ 8) - 8, hi = ((w >> 4) ^ 8) - 8;
+  const Int16Lanes both = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return __builtin_convertvector(both, Vec);
+}
+
+// Stored elements holding 16 head-dim elements, and bytes per row of head dim kD.
+template <typename KV> constexpr int kPer16 = std::is_same<KV, Int4>::value ? 8 : 16;
+template <typename KV, int kD> constexpr int64_t kRowBytes = int64_t(kD) * int64_t(sizeof(KV)) * kPer16<KV> / 16;
+
 // Asks for a key or value row kPrefetchBytes ahead of the one being read, into L2. One
 // core's hardware prefetcher alone cannot keep enough reads in flight while the core also
 // computes; benchmarks/bench_attention.py shows the bandwidth reached with this.
 template <int kD, typename KV>
 inline void prefetch_row(const KV* row) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int c = 0; c < kD * int(sizeof(KV)); c += 64) __builtin_prefetch(p + c, 0, 2);
+  for (int c = 0; c < int(kRowBytes<KV, kD>); c += 64) __builtin_prefetch(p + c, 0, 2);
 }
 
 // The lane sums of four vectors at once, in lanes 0-3: each level adds two halves of a
@@ -309,7 +388,7 @@ inline Vec lane_sum4(Vec a, Vec b, Vec c, Vec d) {
 template <typename KV, int kD, typename Rows>
 void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
   constexpr int kNV = kD / 16, kQB = 4;
-  constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / (kD * int64_t(sizeof(KV))));
+  constexpr int64_t kAhead = std::max<int64_t>(1, kPrefetchBytes / kRowBytes<KV, kD>);
   const int64_t nq = pb.groups * pb.tokens;
   const PieceView<Rows> in(pb, pc, part);
   const Rows &keys = in.keys, &values = in.values;
@@ -340,14 +419,15 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(keys(c0 + j + kAhead));
         const KV* k = keys(c0 + j);
         Vec kr[kNV];
-        for (int c = 0; c < kNV; ++c) kr[c] = load16(k + c * 16);
+        for (int c = 0; c < kNV; ++c) kr[c] = load16(k + c * kPer16<KV>);
         Vec dot[kQB];
         for (int b = 0; b < kQB; ++b) {
           dot[b] = qv[b][0] * kr[0];
           for (int c = 1; c < kNV; ++c) dot[b] += qv[b][c] * kr[c];
         }
         const Vec sums = lane_sum4(dot[0], dot[1], dot[2], dot[3]);
-        for (int b = 0; b < kQB; ++b) scores[b][j] = sums[b];
+        const float key_scale = kQuantized<KV> ? in.key_scales(c0 + j) : 1.0f;
+        for (int b = 0; b < kQB; ++b) scores[b][j] = kQuantized<KV> ? sums[b] * key_scale : sums[b];
       }
       float correction[kQB] = {1.0f, 1.0f, 1.0f, 1.0f};
       for (int b = 0; b < nb; ++b) {
@@ -362,11 +442,13 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(values(c0 + j + kAhead));
         const KV* v = values(c0 + j);
         Vec vr[kNV];
-        for (int c = 0; c < kNV; ++c) vr[c] = load16(v + c * 16);
+        for (int c = 0; c < kNV; ++c) vr[c] = load16(v + c * kPer16<KV>);
+        const float value_scale = kQuantized<KV> ? in.value_scales(c0 + j) : 1.0f;
         for (int b = 0; b < kQB; ++b) {
           const float w = scores[b][j];
           if (!same_range && w == 0.0f) continue;
-          for (int c = 0; c < kNV; ++c) acc[b][c] += w * vr[c];
+          const float wv = kQuantized<KV> ? w * value_scale : w;
+          for (int c = 0; c < kNV; ++c) acc[b][c] += wv * vr[c];
         }
       }
       for (int b = 0; b < nb; ++b) {
@@ -396,6 +478,9 @@ void run_piece(const Problem& pb, const Piece& pc, float* part) {
   if (pb.table) run_piece_in<KV, PagedRows<KV>>(pb, pc, part);
   else run_piece_in<KV, ContiguousRows<KV>>(pb, pc, part);
 }
+
+// What a cache row holds.
+enum class Kind { kF32, kBF16, kInt8, kInt4 };
 
 // Runs items [0, n) on the caller and up to `helpers` pool threads. Each thread claims the
 // next unclaimed item; the caller waits only for items another thread has claimed (and is
@@ -457,7 +542,7 @@ ffi::Error common_setup(const char* who, const ffi::AnyBuffer& q, const ffi::Any
                         const ffi::AnyBuffer& values, const ffi::Buffer<ffi::S32>& layer,
                         const ffi::Buffer<ffi::S32>& q_pos, const ffi::Buffer<ffi::S32>& kv_len,
                         ffi::DataType out_type, int64_t window, float softcap, float scale,
-                        Problem& pb, std::vector<float>& qf, int32_t* layer_index) {
+                        Problem& pb, std::vector<float>& qf, int32_t* layer_index, int64_t bits = 0) {
   const auto qd = q.dimensions();
   const auto kd = keys.dimensions();
   const auto vd = values.dimensions();
@@ -471,15 +556,21 @@ ffi::Error common_setup(const char* who, const ffi::AnyBuffer& q, const ffi::Any
   pb.tokens = qd[2];
   pb.head_dim = qd[3];
   pb.kv_heads = kd[2];
-  if (kd[4] != pb.head_dim || pb.kv_heads == 0 || pb.q_heads % pb.kv_heads) {
+  // int4: two codes per byte, so D / 2 stored elements per row.
+  pb.row_elems = bits == 4 ? pb.head_dim / 2 : pb.head_dim;
+  if (kd[4] != pb.row_elems || (bits == 4 && pb.head_dim % 2) || pb.kv_heads == 0 || pb.q_heads % pb.kv_heads) {
     return ffi::Error::InvalidArgument(std::string(who) + ": q " + dims_str(qd) + " does not fit keys " + dims_str(kd));
   }
   const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
   // A cache may hold bf16 as its uint16 bits (jaxkv stores 16-bit floats so, since XLA:CPU
   // cannot update a bf16 array in place); the bytes are the same.
-  const bool kv_ok = is_float(keys.element_type()) || keys.element_type() == ffi::DataType::U16;
+  const ffi::DataType kt = keys.element_type();
+  const bool kv_ok = bits == 8   ? kt == ffi::DataType::S8
+                     : bits == 4 ? kt == ffi::DataType::U8
+                                 : is_float(kt) || kt == ffi::DataType::U16;
   if (!is_float(q.element_type()) || !kv_ok || out_type != q.element_type()) {
-    return ffi::Error::InvalidArgument(std::string(who) + ": queries and cache must be float32 or bfloat16 (the cache may be bfloat16 bits as uint16), and the output the queries' dtype");
+    return ffi::Error::InvalidArgument(std::string(who) + (bits ? ": queries must be float32 or bfloat16, the codes int8 (bits 8) or uint8 (bits 4), and the output the queries' dtype"
+                                                                : ": queries and cache must be float32 or bfloat16 (the cache may be bfloat16 bits as uint16), and the output the queries' dtype"));
   }
   if (q_pos.element_count() != size_t(pb.batch * pb.tokens) || kv_len.element_count() != size_t(pb.batch) ||
       layer.element_count() != 1) {
@@ -510,7 +601,7 @@ void select_layer(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values, int3
 }
 
 // The attention itself, for either layout: pieces, run on the pool, merged, stored in `out`.
-void attend(ffi::ThreadPool& pool, const Problem& pb, bool bf16, ffi::AnyBuffer& out) {
+void attend(ffi::ThreadPool& pool, const Problem& pb, Kind kind, ffi::AnyBuffer& out) {
   // Pieces: each row's slot range that any of its queries can see, cut into even lengths.
   std::vector<int64_t> row_lo(pb.batch), row_hi(pb.batch);
   int64_t total = 0;
@@ -546,8 +637,13 @@ void attend(ffi::ThreadPool& pool, const Problem& pb, bool bf16, ffi::AnyBuffer&
   const int64_t stride = nq * (pb.head_dim + 2);
   std::vector<float> parts(pieces.size() * stride);
   auto work = [&](int64_t i) {
-    if (bf16) run_piece<uint16_t>(pb, pieces[i], parts.data() + i * stride);
-    else run_piece<float>(pb, pieces[i], parts.data() + i * stride);
+    float* part = parts.data() + i * stride;
+    switch (kind) {
+      case Kind::kF32: return run_piece<float>(pb, pieces[i], part);
+      case Kind::kBF16: return run_piece<uint16_t>(pb, pieces[i], part);
+      case Kind::kInt8: return run_piece<int8_t>(pb, pieces[i], part);
+      case Kind::kInt4: return run_piece<Int4>(pb, pieces[i], part);
+    }
   };
   const int64_t n = static_cast<int64_t>(pieces.size());
   if (total < kSerialSlots || n == 1 || pool.num_threads() == 0) {
@@ -595,8 +691,9 @@ void attend(ffi::ThreadPool& pool, const Problem& pb, bool bf16, ffi::AnyBuffer&
   else store_output<float>(result, out);
 }
 
-bool is_16_bit(const ffi::AnyBuffer& keys) {
-  return keys.element_type() == ffi::DataType::BF16 || keys.element_type() == ffi::DataType::U16;
+Kind float_kind(const ffi::AnyBuffer& keys) {
+  const bool bf16 = keys.element_type() == ffi::DataType::BF16 || keys.element_type() == ffi::DataType::U16;
+  return bf16 ? Kind::kBF16 : Kind::kF32;
 }
 
 ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
@@ -616,7 +713,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   }
   pb.slots = kd[3];
   select_layer(keys, values, li, pb);
-  attend(pool, pb, is_16_bit(keys), *out);
+  attend(pool, pb, float_kind(keys), *out);
   return ffi::Error::Success();
 }
 
@@ -644,11 +741,82 @@ ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
   while ((int64_t(1) << pb.page_shift) < page_size) ++pb.page_shift;
   pb.slots = pb.max_pages * page_size;
   select_layer(keys, values, li, pb);
-  attend(pool, pb, is_16_bit(keys), *out);
+  attend(pool, pb, float_kind(keys), *out);
+  return ffi::Error::Success();
+}
+
+// The scales of a quantized target: [L, B, H, S] (pages: [L, P, H, ps]), as the codes' first
+// four dimensions, f32 or bf16 (bits as u16); points the problem at layer `li`'s.
+ffi::Error select_scales(const char* who, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& key_scales,
+                         const ffi::AnyBuffer& value_scales, int32_t li, Problem& pb) {
+  const auto kd = keys.dimensions();
+  const auto sd = key_scales.dimensions();
+  const auto vd = value_scales.dimensions();
+  const ffi::DataType st = key_scales.element_type();
+  const bool shape_ok = sd.size() == 4 && std::equal(sd.begin(), sd.end(), kd.begin()) && vd.size() == 4 &&
+                        std::equal(vd.begin(), vd.end(), sd.begin());
+  const bool type_ok = st == value_scales.element_type() &&
+                       (st == ffi::DataType::F32 || st == ffi::DataType::BF16 || st == ffi::DataType::U16);
+  if (!shape_ok || !type_ok) {
+    return ffi::Error::InvalidArgument(std::string(who) + ": expected key and value scales of the codes' first four dimensions " +
+                                       dims_str(kd) + ", float32 or bfloat16 (as uint16 bits), got " + dims_str(sd) + " and " +
+                                       dims_str(vd));
+  }
+  const size_t layer_bytes = key_scales.size_bytes() / kd[0];
+  pb.key_scales = static_cast<const char*>(key_scales.untyped_data()) + li * layer_bytes;
+  pb.value_scales = static_cast<const char*>(value_scales.untyped_data()) + li * layer_bytes;
+  pb.scales_bf16 = st != ffi::DataType::F32;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_bits(const char* who, int64_t bits) {
+  if (bits == 8 || bits == 4) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(who) + ": bits must be 8 or 4, got " + std::to_string(bits));
+}
+
+ffi::Error quantized_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
+                                      ffi::AnyBuffer values, ffi::AnyBuffer key_scales, ffi::AnyBuffer value_scales,
+                                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> q_pos,
+                                      ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> out, int64_t window,
+                                      float softcap, float scale, int64_t bits) {
+  constexpr const char* kWho = "jaxkv quantized_decode_attention";
+  ffi::Error err = check_bits(kWho, bits);
+  if (err.failure()) return err;
+  Problem pb;
+  std::vector<float> qf;
+  int32_t li;
+  err = common_setup(kWho, q, keys, values, layer, q_pos, kv_len, out->element_type(), window, softcap, scale, pb, qf, &li, bits);
+  if (err.failure()) return err;
+  const auto kd = keys.dimensions();  // [L, B, H, S, D']
+  if (kd[1] != pb.batch) {
+    return ffi::Error::InvalidArgument(std::string(kWho) + ": q " + dims_str(q.dimensions()) + " does not fit codes " + dims_str(kd));
+  }
+  pb.slots = kd[3];
+  err = select_scales(kWho, keys, key_scales, value_scales, li, pb);
+  if (err.failure()) return err;
+  select_layer(keys, values, li, pb);
+  attend(pool, pb, bits == 8 ? Kind::kInt8 : Kind::kInt4, *out);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedDecodeAttention, quantized_decode_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // keys: int8 codes, or uint8 (two int4)
+                                  .Arg<ffi::AnyBuffer>()          // values
+                                  .Arg<ffi::AnyBuffer>()          // key_scales
+                                  .Arg<ffi::AnyBuffer>()          // value_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDecodeAttention, decode_attention,
                               ffi::Ffi::Bind()

@@ -237,18 +237,19 @@ def _kernel_unsuitable(queries: jax.Array, kv_dtype: Any) -> str | None:
     return None  # bf16 may come as its uint16 bits: the kernel reads 16-bit rows as bf16 either way
 
 
-def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged):
+def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged, bits=0):
     """The kernel's custom call; ``operands``: keys, values, layer, q_pos, kv_len and, when
-    ``paged``, the block table (keys/values are then the page pool)."""
+    ``paged``, the block table (keys/values are then the page pool); with ``bits`` (8 or 4),
+    keys, values (int8 codes or uint8 bytes of two int4), key scales, value scales, layer,
+    q_pos, kv_len."""
     # vmap never reaches this call: _batchable_kernel maps it first.
-    target = _kernels.PAGED_TARGET if paged else _kernels.TARGET
+    target = _kernels.QUANTIZED_TARGET if bits else _kernels.PAGED_TARGET if paged else _kernels.TARGET
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
-    return call(
-        queries, *operands,
-        window=np.int64(sliding_window or 0),
-        softcap=np.float32(logit_softcap or 0.0),
-        scale=np.float32(scale),
-    )
+    attributes = dict(window=np.int64(sliding_window or 0), softcap=np.float32(logit_softcap or 0.0),
+                      scale=np.float32(scale))
+    if bits:
+        attributes["bits"] = np.int64(bits)
+    return call(queries, *operands, **attributes)
 
 
 def _local_axes(mesh, arg_shapes, paged):
@@ -276,7 +277,7 @@ def _local_axes(mesh, arg_shapes, paged):
 
 
 @lru_cache(maxsize=None)
-def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
+def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=0):
     """The kernel call, split by rows and kv heads over a sharded cache.
 
     Without this, XLA's partitioner knows nothing of the custom call and gathers the whole
@@ -285,7 +286,7 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
     A paged pool splits by kv heads only (any row may read any page); its block table
     splits by rows.
     """
-    static = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=paged)
+    static = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=paged, bits=bits)
 
     @custom_partitioning
     def call(*operands):
@@ -295,7 +296,8 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
         rows, heads = _local_axes(mesh, arg_shapes, paged)
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
         cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
-        args = (named(rows, heads, None, None), cache, cache, named(), named(rows, None), named(rows))
+        scales = (named(None, rows, heads, None),) * 2 if bits else ()
+        args = (named(rows, heads, None, None), cache, cache, *scales, named(), named(rows, None), named(rows))
         if paged:
             args += (named(rows, None),)
         return args, named(rows, heads, None, None)
@@ -310,10 +312,12 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
     call.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        # queries [B, Hq, T, D], keys and values [L, B, H, S, D] (paged: pools [L, P, H, ps, D]),
-        # layer [], q_pos [B, T], kv_len [B] (paged: block_table [B, M])
+        # queries [B, Hq, T, D], keys and values [L, B, H, S, D] (paged: pools [L, P, H, ps, D];
+        # quantized: codes [L, B, H, S, D'] and scales [L, B, H, S]), layer [], q_pos [B, T],
+        # kv_len [B] (paged: block_table [B, M])
         sharding_rule=(
             "b h t d, l p k s d, l p k s d, , b t, b, b m -> b h t d" if paged
+            else "b h t d, l b k s e, l b k s e, l b k s, l b k s, , b t, b -> b h t d" if bits
             else "b h t d, l b k s d, l b k s d, , b t, b -> b h t d"
         ),
     )
@@ -321,10 +325,10 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False):
 
 
 @lru_cache(maxsize=None)
-def _batchable_kernel(sliding_window, logit_softcap, scale, paged=False):
+def _batchable_kernel(sliding_window, logit_softcap, scale, paged=False, bits=0):
     """The partitioned kernel under ``jax.vmap``: one call per mapped element, in sequence
     (``lax.map``), as the partitioning wrapper has no batching rule of its own."""
-    call = _partitioned_kernel(sliding_window, logit_softcap, scale, paged)
+    call = _partitioned_kernel(sliding_window, logit_softcap, scale, paged, bits)
 
     @jax.custom_batching.custom_vmap
     def batchable(*args):
@@ -343,9 +347,9 @@ def _batchable_kernel(sliding_window, logit_softcap, scale, paged=False):
     return batchable
 
 
-def _kernel_call(*operands, sliding_window, logit_softcap, scale, paged=False):
+def _kernel_call(*operands, sliding_window, logit_softcap, scale, paged=False, bits=0):
     call = _batchable_kernel(
-        sliding_window, None if logit_softcap is None else float(logit_softcap), float(scale), paged
+        sliding_window, None if logit_softcap is None else float(logit_softcap), float(scale), paged, bits
     )
     return call(*operands)
 
@@ -510,18 +514,26 @@ def quantized_blockwise_attend(
     logit_softcap: float | None = None,
     scale: float | None = None,
     block_size: int | None = None,
+    implementation: str = "auto",
 ) -> jax.Array:  # [B, Hq, T, D]
     """:func:`blockwise_attend` over a quantized layer, dequantizing block by block.
 
-    Each block of int8/int4 codes and its scales is sliced from the stacked buffers and
-    dequantized inside the loop (the whole layer is never materialised), and the tokens
-    the view's full-precision residual holds replace their quantized copies in the block.
-    Cost scales with tokens stored, like the contiguous path; the XLA loop only (the CPU
-    kernel reads float buffers). Same contract, shapes and errors as
-    :func:`blockwise_attend`.
-    """
-    from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+    Two implementations, chosen by ``implementation`` as for :func:`blockwise_attend`:
 
+    * On CPU, up to 16 queries, float32/bfloat16 queries and model dtype, float32/bfloat16
+      scales and no residual (``residual_length=0``, the default): the native kernel reads
+      the int8 codes (or the bytes of two int4 codes) and the per-token scales in place and
+      dequantizes in registers: a key's scale multiplies its logit, a value's its weight.
+      It computes in float32 (the XLA loop rounds dequantized elements to the model dtype
+      first, so bfloat16 results may differ in the last bits).
+    * Otherwise the XLA loop: each block of codes and its scales is sliced from the stacked
+      buffers and dequantized inside the loop (the whole layer is never materialised), and
+      the tokens the view's full-precision residual holds replace their quantized copies in
+      the block.
+
+    Cost scales with tokens stored, like the contiguous path. Same contract, shapes and
+    errors as :func:`blockwise_attend`.
+    """
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
     if queries.ndim != 4 or kv_batch != batch or num_q_heads % num_kv_heads or view.residual_keys.shape[-1] != head_dim:
@@ -532,6 +544,38 @@ def quantized_blockwise_attend(
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"quantized_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
+    _check_implementation("quantized_blockwise_attend", implementation)
+    scale = head_dim**-0.5 if scale is None else scale
+    args = (queries, view.keys, view.values, view.key_scales, view.value_scales, jnp.asarray(view.layer, jnp.int32),
+            q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32))
+
+    def xla(queries, keys, values, key_scales, value_scales, layer, q_pos, kv_len):
+        codes = view._replace(keys=keys, values=values, key_scales=key_scales, value_scales=value_scales, layer=layer,
+                              lengths=kv_len)
+        return _quantized_loop(queries, codes, q_pos, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                               scale=scale, block_size=block_size)
+
+    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
+                     bits=view.bits)
+    why_not = None if implementation == "xla" else _quantized_kernel_unsuitable(queries, view)
+    return _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args)
+
+
+def _quantized_kernel_unsuitable(queries: jax.Array, view) -> str | None:
+    if view.residual_keys.shape[2]:
+        return (f"a residual of {view.residual_keys.shape[2]} full-precision tokens (the kernel reads codes only; "
+                "residual_length=0 lets it run)")
+    if jnp.dtype(view.scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"scales of dtype {jnp.dtype(view.scale_dtype)}; the kernel reads float32 and bfloat16 scales"
+    return _kernel_unsuitable(queries, jnp.dtype(view.dtype))
+
+
+def _quantized_loop(queries, view, q_positions, *, sliding_window, logit_softcap, scale, block_size):
+    """The XLA loop of :func:`quantized_blockwise_attend`."""
+    from jaxkv.caches.quantized import dequantize  # the codec lives with its storage
+
+    batch, _, _, _ = queries.shape
+    _, _, num_kv_heads, num_slots, stored = view.keys.shape
     layer = jnp.asarray(view.layer, jnp.int32)
     rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
     residual_used = view.residual_used()  # [B, R]
@@ -558,8 +602,7 @@ def quantized_blockwise_attend(
 
     return _blockwise_loop(
         queries, read_block, num_slots, num_kv_heads, q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32),
-        sliding_window=sliding_window, logit_softcap=logit_softcap,
-        scale=head_dim**-0.5 if scale is None else scale, block_size=block_size,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size,
     )
 
 
