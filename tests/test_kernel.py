@@ -21,7 +21,7 @@ import pytest
 
 from jaxkv import PagedCache, StaticCache, _kernels
 from jaxkv.attention import cache_attention
-from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend
+from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend, quantized_blockwise_attend
 from jaxkv.caches._bits import stored_dtype, to_bits
 from jaxkv.caches.views import PagedView
 from reference import make_inputs, numpy_attention
@@ -402,3 +402,159 @@ def test_without_the_kernel_everything_falls_back_to_xla(env, tmp_path):
     want = dense_reference(q, k, k, np.array([[4]]), np.array([5])).sum()
     assert abs(float(lines[1].split()[1]) - want) < 1e-3 * abs(want)
     assert lines[2] == "kernel refused: True"
+
+
+# --- Quantized views (int8 / int4 codes with per-token scales), read by the quantized target ---
+
+
+def quantized_inputs(seed, batch, heads, slots, dim, bits, kv_len, layers=2):
+    """Random codes and positive scales for every layer ([L, B, H, S, D'] and [L, B, H, S]);
+    scales past each row's fill (and of every other layer) are NaN: never to be read."""
+    rng = np.random.default_rng(seed)
+    if bits == 8:
+        codes = [rng.integers(-127, 128, (layers, batch, heads, slots, dim), dtype=np.int8) for _ in range(2)]
+    else:
+        codes = [rng.integers(0, 256, (layers, batch, heads, slots, dim // 2), dtype=np.uint8) for _ in range(2)]
+    scales = [rng.uniform(0.005, 0.03, (layers, batch, heads, slots)).astype(np.float32) for _ in range(2)]
+    for s in scales:
+        s[:-1] = np.nan  # the layer read is the last one
+        for b, n in enumerate(kv_len):
+            s[-1, b, :, n:] = np.nan
+    return codes, scales
+
+
+def numpy_dequantize(codes, scales, bits):
+    """The storage format's definition, in NumPy: int8 codes times the token's scale; int4:
+    each byte holds element 2i in its low nibble and 2i + 1 in its high one, two's complement."""
+    codes = np.asarray(codes)
+    if bits == 8:
+        values = codes.astype(np.float64)
+    else:
+        b = codes.astype(np.int64)
+        values = np.empty(codes.shape[:-1] + (2 * codes.shape[-1],))
+        values[..., 0::2] = ((b & 15) ^ 8) - 8
+        values[..., 1::2] = ((b >> 4) ^ 8) - 8
+    return values * np.asarray(scales, np.float64)[..., None]
+
+
+def quantized_view(codes, scales, kv_len, bits, dtype, scale_dtype, layer):
+    from jaxkv.caches.views import QuantizedView
+
+    k_scales, v_scales = (to_bits(jnp.asarray(s, scale_dtype), scale_dtype) for s in scales)
+    batch, heads, dim = codes[0].shape[1], codes[0].shape[2], codes[0].shape[4] * (8 // bits)
+    residual = jnp.zeros((batch, heads, 0, dim), dtype)
+    return QuantizedView(jnp.asarray(codes[0]), jnp.asarray(codes[1]), k_scales, v_scales, residual, residual,
+                         jnp.zeros((batch, 0), jnp.int32), layer, jnp.asarray(kv_len, jnp.int32), bits,
+                         jnp.dtype(dtype), jnp.dtype(scale_dtype))
+
+
+def bf16_rounded(x):
+    return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+
+
+@pytest.mark.parametrize(
+    "bits, dim, groups, tokens, window, softcap, dtype, scale_dtype",
+    [
+        (8, 64, 4, 1, None, None, jnp.float32, jnp.float32),  # a decode step
+        (4, 64, 4, 1, None, None, jnp.float32, jnp.bfloat16),  # int4, bf16 scales (the default)
+        (8, 32, 2, 3, 7, 4.0, jnp.bfloat16, jnp.bfloat16),  # window, soft cap, a bf16 model
+        (4, 128, 3, 4, None, 5.0, jnp.float32, jnp.float32),
+        (8, 24, 2, 2, None, None, jnp.float32, jnp.float32),  # off the vector path: scalar loops
+        (4, 24, 1, 2, 9, None, jnp.float32, jnp.bfloat16),
+    ],
+)
+def test_quantized_kernel_matches_reference_and_the_xla_loop(bits, dim, groups, tokens, window, softcap, dtype,
+                                                             scale_dtype):
+    """Row 0 is long enough to be split across threads and merged; row 2 is empty. Layer 1
+    of 2 is read, through a traced layer index."""
+    kv_len = np.array([2500, 37, 0])
+    codes, scales = quantized_inputs(dim + bits, 3, 2, 2560, dim, bits, kv_len)
+    q = np.random.default_rng(dim).standard_normal((3, 2 * groups, tokens, dim)).astype(np.float32)
+    q = bf16_rounded(q) if dtype == jnp.bfloat16 else q
+    q_pos = last_positions(kv_len, tokens)
+    view = quantized_view(codes, scales, kv_len, bits, dtype, scale_dtype, layer=1)
+    read_scales = [bf16_rounded(s) if scale_dtype == jnp.bfloat16 else s for s in scales]
+    k, v = (numpy_dequantize(c[1], s[1], bits) for c, s in zip(codes, read_scales))
+    want = dense_reference(q, k, v, q_pos, kv_len, window, softcap)
+
+    def run(implementation, layer):
+        return quantized_blockwise_attend(
+            jnp.asarray(q, dtype), view._replace(layer=layer), q_positions=jnp.asarray(q_pos, jnp.int32),
+            sliding_window=window, logit_softcap=softcap, implementation=implementation,
+        )
+
+    got = jax.jit(run, static_argnums=0)("kernel", jnp.int32(1))
+    hlo = jax.jit(run, static_argnums=0).lower("auto", jnp.int32(1)).as_text()
+    assert "jaxkv_quantized_decode_attention" in hlo  # "auto" takes the kernel on CPU
+    tol = 2e-5 if dtype == jnp.float32 else 2**-7  # bf16: one rounding of the output (and of each element, by XLA)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    assert not np.asarray(got[2], np.float32).any()  # an empty row sees nothing: zeros
+    xla = run("xla", 1)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), rtol=tol, atol=tol)
+
+
+def test_quantized_kernel_non_finite_scales_of_visible_slots_make_the_row_nan():
+    """The contract of jaxkv.attention: a non-finite key scale gives a visible slot a
+    non-finite logit, a non-finite value scale a non-finite value: the row is NaN, in both
+    implementations; the other rows, and a NaN scale no query sees, change nothing."""
+    kv_len = np.array([40, 40, 40])
+    codes, scales = quantized_inputs(5, 3, 1, 64, 32, 8, kv_len)
+    scales[0][1, 0, 0, 3] = np.inf  # row 0: a key scale of a visible slot
+    scales[1][1, 1, 0, 39] = np.nan  # row 1: a value scale of a visible slot
+    q = np.random.default_rng(1).standard_normal((3, 2, 1, 32)).astype(np.float32)
+    q_pos = last_positions(kv_len, 1)
+    view = quantized_view(codes, scales, kv_len, 8, jnp.float32, jnp.float32, layer=1)
+    clean = [s.copy() for s in scales]
+    clean[0][1, 0, 0, 3], clean[1][1, 1, 0, 39] = 0.01, 0.01
+    k, v = (numpy_dequantize(c[1], s[1], 8) for c, s in zip(codes, clean))
+    want = dense_reference(q, k, v, q_pos, kv_len)
+    for implementation in ("kernel", "xla"):
+        got = np.asarray(quantized_blockwise_attend(jnp.asarray(q), view, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                                    implementation=implementation))
+        assert np.isnan(got[:2]).all(), implementation
+        np.testing.assert_allclose(got[2], want[2], rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_cache_attention_and_what_the_quantized_kernel_does_not_take():
+    """Through the cache: a QuantizedCache without a residual reaches the kernel (vmap too);
+    with a residual, float16 scales, or float16 queries, "auto" runs the XLA loop and
+    "kernel" says why it cannot."""
+    from jaxkv import QuantizedCache
+    from jaxkv.attention import token_positions, update_and_attend
+
+    rng = np.random.default_rng(3)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((2, 2, 5, 32)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((2, 4, 5, 32)), jnp.float32)  # 4 query heads over 2 kv heads
+
+    def step(q, k, v, cache):
+        return update_and_attend(q, k, v, cache, 0, positions=token_positions(cache, q.shape[0], q.shape[2]))
+
+    plain = QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=32, max_length=64, bits=4)
+    with_residual = QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=32, max_length=64, bits=4,
+                                        residual_length=8)
+    one = (q[:, :, :1], k_new[:, :, :1], v_new[:, :, :1])
+    assert "jaxkv_quantized_decode_attention" in jax.jit(step).lower(*one, plain).as_text()
+    assert "jaxkv_quantized_decode_attention" not in jax.jit(step).lower(*one, with_residual).as_text()
+    # Five tokens in, then one query under vmap: the kernel's output equals the dense
+    # reference over the cache's own dequantized layer (its dense view).
+    _, cache = step(q, k_new, v_new, plain)
+    last = q[:, :, -1:] * 0.5
+    out = jax.vmap(lambda q: quantized_blockwise_attend(q, cache.view(0), q_positions=jnp.full((2, 1), 4, jnp.int32)))(
+        jnp.stack([last, 2 * last]))
+    dense = cache.view(0).dense()
+    for i, factor in enumerate((1, 2)):
+        want = dense_reference(np.asarray(last) * factor, np.asarray(dense.keys), np.asarray(dense.values),
+                               np.full((2, 1), 4), [5, 5])
+        np.testing.assert_allclose(np.asarray(out[i]), want, rtol=2e-5, atol=2e-5)
+
+    kw = dict(q_positions=jnp.full((2, 1), 4, jnp.int32), implementation="kernel")
+    _, cache_r = step(q, k_new, v_new, with_residual)
+    with pytest.raises(ValueError, match="residual of 8 full-precision tokens"):
+        quantized_blockwise_attend(last, cache_r.view(0), **kw)
+    f16_scales = QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=32, max_length=64, bits=8,
+                                     scale_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="scales of dtype float16"):
+        quantized_blockwise_attend(last, f16_scales.view(0), **kw)
+    with pytest.raises(ValueError, match="float16"):
+        quantized_blockwise_attend(last.astype(jnp.float16), plain.view(0), **kw)
