@@ -111,6 +111,29 @@ ATTENTION = textwrap.dedent(
     assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), got.sharding
     # Rows past num_new are padding: not attended to, not stored.
     np.testing.assert_array_equal(cache.seq_lengths(1), num_new)
+
+    # The same for int4 codes and their scales (the quantized target, one query per row).
+    from jaxkv import QuantizedCache
+    q1, k1, v1, one = q[:, :, :1], k[:, :, :1], v[:, :, :1], np.ones(4, np.int32)
+
+    def step(cache, q, k, v):
+        positions = cache.positions(1, 1)
+        return cache_attention(q, k, v, cache, 1, positions=positions, num_new=jnp.asarray(one))
+
+    def filled(sharding):
+        cache = QuantizedCache.init(num_layers=2, batch_size=4, num_kv_heads=2, head_dim=16, max_length=64, bits=4,
+                                    sharding=sharding)
+        return jax.jit(run)(cache, q, k, v)[1]
+
+    want, _ = jax.jit(step)(filled(None), q1, k1, v1)
+    sharded = filled(NamedSharding(mesh, P("data", "model")))
+    got, _ = jax.jit(step)(sharded, put(q1), put(k1), put(v1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    hlo = jax.jit(step).lower(sharded, put(q1), put(k1), put(v1)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxkv_quantized_decode_attention"' in line]
+    assert calls and all("f32[1,2,1,16]" in line.split("custom-call")[0] for line in calls), calls
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and ",64," in line]
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), got.sharding
     print("ok")
     """
 )
