@@ -321,8 +321,8 @@ def test_paged_kernel_matches_reference_and_the_xla_loop(dim, groups, tokens, wi
 
 def test_paged_decode_step_program_vmap_and_what_the_paged_kernel_does_not_take():
     """A jitted, donated decode step over a PagedCache: one paged custom call per layer, reading
-    the pool in place; vmap over stacked queries equals one call per slice; int8 pages go to
-    the XLA loop ("auto") or are refused ("kernel")."""
+    the pool in place; vmap over stacked queries equals one call per slice; int8 pages take
+    the paged quantized target."""
     cache = PagedCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=64, max_length=4096, num_pages=300)
     kv = jnp.ones((2, 2, 1, 64))
     q = jnp.ones((2, 8, 1, 64))
@@ -352,13 +352,23 @@ def test_paged_decode_step_program_vmap_and_what_the_paged_kernel_does_not_take(
         np.testing.assert_allclose(np.asarray(batched[i]), dense_reference(qs[i], k, v, q_pos, kv_len),
                                    rtol=2e-5, atol=2e-5)
 
+    # int8 pages: the paged quantized target ("auto" too), equal to the XLA loop; pages with
+    # float16 scales go to the XLA loop ("auto") or are refused ("kernel").
     int8 = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=16, max_length=64, bits=8)
     int8, _, _ = int8.update(jnp.asarray(k[:, :, :20]), jnp.asarray(v[:, :, :20]), 0)
     int8_view = int8.stores[0].view(0, int8.lengths[0])
-    with pytest.raises(ValueError, match="int8 pages; the kernel reads float pages"):
-        paged_blockwise_attend(jnp.asarray(qs[0]), int8_view, q_positions=q_pos, implementation="kernel")
     hlo = jax.jit(lambda q: paged_blockwise_attend(q, int8_view, q_positions=q_pos)).lower(jnp.asarray(qs[0])).as_text()
-    assert "jaxkv_paged_decode_attention" not in hlo
+    assert "jaxkv_paged_quantized_decode_attention" in hlo
+    got, want = (paged_blockwise_attend(jnp.asarray(qs[0]), int8_view, q_positions=q_pos, implementation=i)
+                 for i in ("kernel", "xla"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    f16 = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=16, max_length=64, bits=8,
+                          scale_dtype=jnp.float16)
+    f16_view = f16.stores[0].view(0, f16.lengths[0])
+    with pytest.raises(ValueError, match="scales of dtype float16; the kernel reads float32 and bfloat16 scales"):
+        paged_blockwise_attend(jnp.asarray(qs[0]), f16_view, q_positions=q_pos, implementation="kernel")
+    hlo = jax.jit(lambda q: paged_blockwise_attend(q, f16_view, q_positions=q_pos)).lower(jnp.asarray(qs[0])).as_text()
+    assert "decode_attention" not in hlo
 
 
 def test_build_is_cached():
@@ -558,3 +568,37 @@ def test_quantized_cache_attention_and_what_the_quantized_kernel_does_not_take()
         quantized_blockwise_attend(last, f16_scales.view(0), **kw)
     with pytest.raises(ValueError, match="float16"):
         quantized_blockwise_attend(last.astype(jnp.float16), plain.view(0), **kw)
+
+
+@pytest.mark.parametrize(
+    "bits, dim, groups, tokens, window, dtype, scale_dtype",
+    [
+        (8, 64, 4, 1, None, jnp.float32, jnp.bfloat16),
+        (4, 32, 2, 4, 9, jnp.float32, jnp.float32),
+        (4, 64, 2, 2, None, jnp.bfloat16, jnp.bfloat16),
+        (8, 24, 3, 1, None, jnp.float32, jnp.float32),  # scalar loops
+    ],
+)
+def test_paged_quantized_kernel_matches_reference(bits, dim, groups, tokens, window, dtype, scale_dtype):
+    """int8/int4 pages in shuffled order: the codes and scales of the same token lie at the same
+    (page, offset); row 0 spans many pages (split across threads), row 2 has none."""
+    kv_len = np.array([1500, 37, 0])
+    codes, scales = quantized_inputs(bits + dim, 3, 2, 1536, dim, bits, kv_len, layers=1)
+    q = np.random.default_rng(dim + 1).standard_normal((3, 2 * groups, tokens, dim)).astype(np.float32)
+    q = bf16_rounded(q) if dtype == jnp.bfloat16 else q
+    q_pos = last_positions(kv_len, tokens)
+    # Pools as to_pages lays them out (same seed, so the same block table for all four).
+    k_pool, v_pool, table = to_pages(codes[0][0], codes[1][0], kv_len, 16, fill=0)
+    ks_pool, vs_pool, table2 = to_pages(scales[0][0][..., None], scales[1][0][..., None], kv_len, 16)
+    np.testing.assert_array_equal(table, table2)
+    k_scales, v_scales = (to_bits(jnp.asarray(x[..., 0], scale_dtype), scale_dtype) for x in (ks_pool, vs_pool))
+    view = PagedView(jnp.asarray(k_pool), jnp.asarray(v_pool), k_scales, v_scales, jnp.asarray(table), 0,
+                     jnp.asarray(kv_len, jnp.int32), bits, jnp.dtype(dtype), jnp.dtype(scale_dtype))
+    read_scales = [bf16_rounded(s) if scale_dtype == jnp.bfloat16 else s for s in scales]
+    k, v = (numpy_dequantize(c[0], s[0], bits) for c, s in zip(codes, read_scales))
+    want = dense_reference(q, k, v, q_pos, kv_len, window)
+    got = paged_blockwise_attend(jnp.asarray(q, dtype), view, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                 sliding_window=window, implementation="kernel")
+    tol = 2e-5 if dtype == jnp.float32 else 2**-7
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    assert not np.asarray(got[2], np.float32).any()

@@ -1,13 +1,14 @@
 """Native kernels, built on first use with the machine's C++ compiler.
 
-``decode_attention.cc`` holds three XLA:CPU FFI handlers running the same loops: decode
+``decode_attention.cc`` holds four XLA:CPU FFI handlers running the same loops: decode
 attention that reads a stacked ``StaticCache`` buffer in place, the same over a
-``PagedCache`` pool read through the block table, and over a ``QuantizedCache``'s int8/int4
-codes and scales, dequantized in registers (see its header comment and
-:mod:`jaxkv.attention.blockwise`). It is compiled once per (source, jaxlib, compiler, CPU)
-into a cache directory, loaded with ctypes and registered as the FFI targets
-``jaxkv_decode_attention``, ``jaxkv_paged_decode_attention`` and
-``jaxkv_quantized_decode_attention`` for the CPU platform.
+``PagedCache`` pool read through the block table, and both again over int8/int4 codes and
+their per-token scales (a ``QuantizedCache``, int8/int4 pages), dequantized in registers (see
+its header comment and :mod:`jaxkv.attention.blockwise`). It is compiled once per (source,
+jaxlib, compiler, CPU) into a cache directory, loaded with ctypes and registered as the FFI
+targets ``jaxkv_decode_attention``, ``jaxkv_paged_decode_attention``,
+``jaxkv_quantized_decode_attention`` and ``jaxkv_paged_quantized_decode_attention`` for the
+CPU platform.
 
 Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_KERNEL=0``,
 :func:`available` is False and attention runs the pure-XLA blockwise loop (one warning says
@@ -32,11 +33,12 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["available", "build", "PAGED_TARGET", "QUANTIZED_TARGET", "TARGET"]
+__all__ = ["available", "build", "PAGED_QUANTIZED_TARGET", "PAGED_TARGET", "QUANTIZED_TARGET", "TARGET"]
 
 TARGET = "jaxkv_decode_attention"
 PAGED_TARGET = "jaxkv_paged_decode_attention"
 QUANTIZED_TARGET = "jaxkv_quantized_decode_attention"
+PAGED_QUANTIZED_TARGET = "jaxkv_paged_quantized_decode_attention"
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 FLAGS = [
     "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
@@ -134,6 +136,10 @@ def available() -> bool:
                 )
                 jax.ffi.register_ffi_target(
                     QUANTIZED_TARGET, jax.ffi.pycapsule(library.JaxkvQuantizedDecodeAttention), platform="cpu"
+                )
+                jax.ffi.register_ffi_target(
+                    PAGED_QUANTIZED_TARGET, jax.ffi.pycapsule(library.JaxkvPagedQuantizedDecodeAttention),
+                    platform="cpu",
                 )
                 _state["library"] = library
                 _state["ok"] = True

@@ -717,6 +717,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error paged_setup(const char* kWho, const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::S32>& block_table, Problem& pb);
+
 ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
                                   ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
                                   ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_len,
@@ -728,7 +730,16 @@ ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
   int32_t li;
   ffi::Error err = common_setup(kWho, q, keys, values, layer, q_pos, kv_len, out->element_type(), window, softcap, scale, pb, qf, &li);
   if (err.failure()) return err;
-  const auto kd = keys.dimensions();  // [L, P, H, ps, D]
+  err = paged_setup(kWho, keys, block_table, pb);
+  if (err.failure()) return err;
+  select_layer(keys, values, li, pb);
+  attend(pool, pb, float_kind(keys), *out);
+  return ffi::Error::Success();
+}
+
+// The pool's and the block table's part of a paged problem.
+ffi::Error paged_setup(const char* kWho, const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::S32>& block_table, Problem& pb) {
+  const auto kd = keys.dimensions();  // [L, P, H, ps, D']
   const auto td = block_table.dimensions();
   const int64_t page_size = kd[3];
   if (td.size() != 2 || td[0] != pb.batch || kd[1] == 0 || page_size <= 0 || (page_size & (page_size - 1))) {
@@ -740,8 +751,6 @@ ffi::Error paged_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
   pb.max_pages = td[1];
   while ((int64_t(1) << pb.page_shift) < page_size) ++pb.page_shift;
   pb.slots = pb.max_pages * page_size;
-  select_layer(keys, values, li, pb);
-  attend(pool, pb, float_kind(keys), *out);
   return ffi::Error::Success();
 }
 
@@ -799,7 +808,48 @@ ffi::Error quantized_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ff
   return ffi::Error::Success();
 }
 
+ffi::Error paged_quantized_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
+                                            ffi::AnyBuffer values, ffi::AnyBuffer key_scales,
+                                            ffi::AnyBuffer value_scales, ffi::Buffer<ffi::S32> layer,
+                                            ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_len,
+                                            ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                                            int64_t window, float softcap, float scale, int64_t bits) {
+  constexpr const char* kWho = "jaxkv paged_quantized_decode_attention";
+  ffi::Error err = check_bits(kWho, bits);
+  if (err.failure()) return err;
+  Problem pb;
+  std::vector<float> qf;
+  int32_t li;
+  err = common_setup(kWho, q, keys, values, layer, q_pos, kv_len, out->element_type(), window, softcap, scale, pb, qf, &li, bits);
+  if (err.failure()) return err;
+  err = paged_setup(kWho, keys, block_table, pb);
+  if (err.failure()) return err;
+  err = select_scales(kWho, keys, key_scales, value_scales, li, pb);
+  if (err.failure()) return err;
+  select_layer(keys, values, li, pb);
+  attend(pool, pb, bits == 8 ? Kind::kInt8 : Kind::kInt4, *out);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedQuantizedDecodeAttention, paged_quantized_decode_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // keys: the pool's codes
+                                  .Arg<ffi::AnyBuffer>()          // values
+                                  .Arg<ffi::AnyBuffer>()          // key_scales [L, P, H, ps]
+                                  .Arg<ffi::AnyBuffer>()          // value_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_table
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedDecodeAttention, quantized_decode_attention,
                               ffi::Ffi::Bind()

@@ -240,10 +240,12 @@ def _kernel_unsuitable(queries: jax.Array, kv_dtype: Any) -> str | None:
 def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged, bits=0):
     """The kernel's custom call; ``operands``: keys, values, layer, q_pos, kv_len and, when
     ``paged``, the block table (keys/values are then the page pool); with ``bits`` (8 or 4),
-    keys, values (int8 codes or uint8 bytes of two int4), key scales, value scales, layer,
-    q_pos, kv_len."""
+    key and value scales follow the keys and values (int8 codes, or uint8 bytes of two int4
+    codes)."""
     # vmap never reaches this call: _batchable_kernel maps it first.
-    target = _kernels.QUANTIZED_TARGET if bits else _kernels.PAGED_TARGET if paged else _kernels.TARGET
+    targets = {(False, False): _kernels.TARGET, (True, False): _kernels.PAGED_TARGET,
+               (False, True): _kernels.QUANTIZED_TARGET, (True, True): _kernels.PAGED_QUANTIZED_TARGET}
+    target = targets[bool(paged), bool(bits)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
     attributes = dict(window=np.int64(sliding_window or 0), softcap=np.float32(logit_softcap or 0.0),
                       scale=np.float32(scale))
@@ -263,8 +265,8 @@ def _local_axes(mesh, arg_shapes, paged):
     keys = arg_shapes[1]
     spec = tuple(getattr(keys.sharding, "spec", ())) + (None,) * 5
     rows, heads = spec[1], spec[2]
-    if paged:
-        rows = (tuple(getattr(arg_shapes[6].sharding, "spec", ())) + (None,))[0]
+    if paged:  # the block table is the last operand
+        rows = (tuple(getattr(arg_shapes[-1].sharding, "spec", ())) + (None,))[0]
 
     def size(axes):
         names = axes if isinstance(axes, tuple) else (axes,)
@@ -296,7 +298,7 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         rows, heads = _local_axes(mesh, arg_shapes, paged)
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
         cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
-        scales = (named(None, rows, heads, None),) * 2 if bits else ()
+        scales = (named(None, None if paged else rows, heads, None),) * 2 if bits else ()
         args = (named(rows, heads, None, None), cache, cache, *scales, named(), named(rows, None), named(rows))
         if paged:
             args += (named(rows, None),)
@@ -316,7 +318,8 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         # quantized: codes [L, B, H, S, D'] and scales [L, B, H, S]), layer [], q_pos [B, T],
         # kv_len [B] (paged: block_table [B, M])
         sharding_rule=(
-            "b h t d, l p k s d, l p k s d, , b t, b, b m -> b h t d" if paged
+            "b h t d, l p k s e, l p k s e, l p k s, l p k s, , b t, b, b m -> b h t d" if paged and bits
+            else "b h t d, l p k s d, l p k s d, , b t, b, b m -> b h t d" if paged
             else "b h t d, l b k s e, l b k s e, l b k s, l b k s, , b t, b -> b h t d" if bits
             else "b h t d, l b k s d, l b k s d, , b t, b -> b h t d"
         ),
@@ -622,12 +625,13 @@ def paged_blockwise_attend(
     Two implementations, as for :func:`blockwise_attend` (``implementation`` chooses the
     same way):
 
-    * On CPU, float pages (f32, bf16), up to 16 queries: the native kernel reads slot ``s``
-      of row ``b`` at offset ``s % ps`` of page ``block_table[b, s // ps]`` in place, on all
-      cores (the same loops as the contiguous kernel). Over a sharded cache each device
-      runs it on its rows (the block table's split) and kv heads (the pool's), with every
-      page of its heads.
-    * Elsewhere, and for int8/int4 pages: the XLA loop. A block of the loop is a run of
+    * On CPU, up to 16 queries, float32/bfloat16 queries and pages (or int8/int4 pages
+      with float32/bfloat16 scales, dequantized in registers as for
+      :func:`quantized_blockwise_attend`): the native kernel reads slot ``s`` of row ``b``
+      at offset ``s % ps`` of page ``block_table[b, s // ps]`` in place, on all cores (the
+      same loops as the contiguous kernel). Over a sharded cache each device runs it on its
+      rows (the block table's split) and kv heads (the pool's), with every page of its heads.
+    * Elsewhere: the XLA loop. A block of the loop is a run of
       whole pages (or a part of one page, for a last block smaller than a page): their ids
       are sliced from the block table and the pages gathered from the pool (and
       dequantized, for int8/int4 pages).
@@ -655,11 +659,17 @@ def paged_blockwise_attend(
         )
     _check_implementation("paged_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
-    args = (queries, view.keys, view.values, jnp.asarray(view.layer, jnp.int32), q_positions.astype(jnp.int32),
-            view.lengths.astype(jnp.int32), view.block_table)
+    scales = (view.key_scales, view.value_scales) if view.bits else ()
+    args = (queries, view.keys, view.values, *scales, jnp.asarray(view.layer, jnp.int32),
+            q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), view.block_table)
 
-    def xla(queries, keys, values, layer, q_pos, kv_len, table):
-        pages = view._replace(keys=keys, values=values, layer=layer, lengths=kv_len, block_table=table)
+    def xla(queries, keys, values, *rest):
+        if view.bits:
+            key_scales, value_scales, layer, q_pos, kv_len, table = rest
+        else:
+            (layer, q_pos, kv_len, table), key_scales, value_scales = rest, view.key_scales, view.value_scales
+        pages = view._replace(keys=keys, values=values, key_scales=key_scales, value_scales=value_scales, layer=layer,
+                              lengths=kv_len, block_table=table)
 
         def read_block(offset, size):
             # Offsets are multiples of `size`; sizes and pages are powers of two, so a block is
@@ -680,9 +690,10 @@ def paged_blockwise_attend(
 
     why_not = None
     if implementation != "xla":
-        if view.bits is not None:
-            why_not = f"int{view.bits} pages; the kernel reads float pages (f32, bf16)"
+        if view.bits and jnp.dtype(view.scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            why_not = f"scales of dtype {jnp.dtype(view.scale_dtype)}; the kernel reads float32 and bfloat16 scales"
         else:
             why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
-    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True)
+    kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True,
+                     bits=view.bits or 0)
     return _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args)
