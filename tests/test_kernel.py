@@ -527,8 +527,8 @@ def test_quantized_kernel_non_finite_scales_of_visible_slots_make_the_row_nan():
 
 
 def test_quantized_cache_attention_and_what_the_quantized_kernel_does_not_take():
-    """Through the cache: a QuantizedCache without a residual reaches the kernel (vmap too);
-    with a residual, float16 scales, or float16 queries, "auto" runs the XLA loop and
+    """Through the cache: a QuantizedCache, with or without a residual, reaches the kernel
+    (vmap too); with float16 scales or float16 queries "auto" runs the XLA loop and
     "kernel" says why it cannot."""
     from jaxkv import QuantizedCache
     from jaxkv.attention import token_positions, update_and_attend
@@ -545,23 +545,22 @@ def test_quantized_cache_attention_and_what_the_quantized_kernel_does_not_take()
                                         residual_length=8)
     one = (q[:, :, :1], k_new[:, :, :1], v_new[:, :, :1])
     assert "jaxkv_quantized_decode_attention" in jax.jit(step).lower(*one, plain).as_text()
-    assert "jaxkv_quantized_decode_attention" not in jax.jit(step).lower(*one, with_residual).as_text()
+    assert "jaxkv_quantized_decode_attention" in jax.jit(step).lower(*one, with_residual).as_text()
     # Five tokens in, then one query under vmap: the kernel's output equals the dense
-    # reference over the cache's own dequantized layer (its dense view).
-    _, cache = step(q, k_new, v_new, plain)
+    # reference over the cache's own dequantized layer (its dense view: the residual's exact
+    # tokens patched over their codes).
     last = q[:, :, -1:] * 0.5
-    out = jax.vmap(lambda q: quantized_blockwise_attend(q, cache.view(0), q_positions=jnp.full((2, 1), 4, jnp.int32)))(
-        jnp.stack([last, 2 * last]))
-    dense = cache.view(0).dense()
-    for i, factor in enumerate((1, 2)):
-        want = dense_reference(np.asarray(last) * factor, np.asarray(dense.keys), np.asarray(dense.values),
-                               np.full((2, 1), 4), [5, 5])
-        np.testing.assert_allclose(np.asarray(out[i]), want, rtol=2e-5, atol=2e-5)
+    for empty in (plain, with_residual):
+        _, cache = step(q, k_new, v_new, empty)
+        out = jax.vmap(lambda q: quantized_blockwise_attend(q, cache.view(0), q_positions=jnp.full((2, 1), 4, jnp.int32),
+                                                            implementation="kernel"))(jnp.stack([last, 2 * last]))
+        dense = cache.view(0).dense()
+        for i, factor in enumerate((1, 2)):
+            want = dense_reference(np.asarray(last) * factor, np.asarray(dense.keys), np.asarray(dense.values),
+                                   np.full((2, 1), 4), [5, 5])
+            np.testing.assert_allclose(np.asarray(out[i]), want, rtol=2e-5, atol=2e-5)
 
     kw = dict(q_positions=jnp.full((2, 1), 4, jnp.int32), implementation="kernel")
-    _, cache_r = step(q, k_new, v_new, with_residual)
-    with pytest.raises(ValueError, match="residual of 8 full-precision tokens"):
-        quantized_blockwise_attend(last, cache_r.view(0), **kw)
     f16_scales = QuantizedCache.init(num_layers=1, batch_size=2, num_kv_heads=2, head_dim=32, max_length=64, bits=8,
                                      scale_dtype=jnp.float16)
     with pytest.raises(ValueError, match="scales of dtype float16"):
@@ -602,3 +601,41 @@ def test_paged_quantized_kernel_matches_reference(bits, dim, groups, tokens, win
     tol = 2e-5 if dtype == jnp.float32 else 2**-7
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
     assert not np.asarray(got[2], np.float32).any()
+
+
+@pytest.mark.parametrize("bits, dim, dtype", [(8, 64, jnp.float32), (4, 32, jnp.bfloat16), (4, 24, jnp.float32)])
+def test_quantized_kernel_reads_the_residual_tokens_instead_of_their_codes(bits, dim, dtype):
+    """A residual slot holding position p (0 <= p < length) replaces slot p's codes: those
+    slots' scales are NaN here, so reading them would poison the row. Slots whose position is
+    -1 or past the length hold NaN tokens and are unused; positions need not be the last ones."""
+    kv_len = np.array([700, 30, 0])
+    codes, scales = quantized_inputs(bits * dim, 3, 2, 768, dim, bits, kv_len)
+    rng = np.random.default_rng(dim)
+    positions = np.array([[699, 698, 5, -1, 700, 350], [29, 0, 31, -1, -1, -1], [0, 1, -1, -1, -1, -1]], np.int32)
+    exact = [rng.standard_normal((3, 2, 6, dim)).astype(np.float32) for _ in range(2)]
+    exact = [bf16_rounded(x) if dtype == jnp.bfloat16 else x for x in exact]
+    for b in range(3):
+        for r, p in enumerate(positions[b]):
+            if 0 <= p < kv_len[b]:
+                for s in scales:
+                    s[1, b, :, p] = np.nan  # the quantized copy: never read
+            else:
+                for x in exact:
+                    x[b, :, r] = np.nan  # an unused residual slot
+    q = rng.standard_normal((3, 4, 2, dim)).astype(np.float32)
+    q = bf16_rounded(q) if dtype == jnp.bfloat16 else q
+    q_pos = last_positions(kv_len, 2)
+    view = quantized_view(codes, scales, kv_len, bits, dtype, jnp.float32, layer=1)._replace(
+        residual_keys=jnp.asarray(exact[0], dtype), residual_values=jnp.asarray(exact[1], dtype),
+        residual_positions=jnp.asarray(positions))
+    k, v = (numpy_dequantize(c[1], sc[1], bits) for c, sc in zip(codes, scales))
+    for b in range(3):
+        for r, p in enumerate(positions[b]):
+            if 0 <= p < kv_len[b]:
+                k[b, :, p], v[b, :, p] = exact[0][b, :, r], exact[1][b, :, r]
+    want = dense_reference(q, k, v, q_pos, kv_len)
+    tol = 2e-5 if dtype == jnp.float32 else 2**-7
+    for implementation in ("kernel", "xla"):
+        got = quantized_blockwise_attend(jnp.asarray(q, dtype), view, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                         implementation=implementation)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol, err_msg=implementation)

@@ -32,6 +32,9 @@
 // scale multiplies a slot's logit ((q . codes) * s_k) and the value scale its weight
 // ((p * s_v) . codes): the codes are dequantized in registers, never written out. A non-finite
 // scale of a visible slot makes its logit or its weighted value non-finite: the row is NaN.
+// The contiguous quantized target also takes the cache's residual ring of exact tokens
+// (residual_keys/values [B, H, R, D], f32 or bf16; residual_positions [B, R]): a slot whose
+// position a residual slot holds (position in [0, kv_len)) is read from there, unscaled.
 //
 // Work items are (row, kv head, slot range) pieces of about the same size; each keeps its
 // own running max, sum and weighted values per query, merged at the end (split-K).
@@ -131,6 +134,13 @@ struct Problem {
   const void* key_scales = nullptr;    // quantized: the layer's [B, H, S] (or [P, H, ps]) scales
   const void* value_scales = nullptr;
   bool scales_bf16 = false;  // scales as bf16 bits (else f32)
+  // Quantized, contiguous: a ring of R exact tokens ([B, H, R, D], f32 or bf16); the slot of
+  // position residual_pos[b, r] (when in [0, kv_len[b])) is read from it, not from the codes.
+  const void* residual_keys = nullptr;
+  const void* residual_values = nullptr;
+  const int32_t* residual_pos = nullptr;  // [B, R]
+  int64_t residual = 0;                    // R
+  bool residual_bf16 = false;
 };
 
 // Two int4 codes per byte (the element type of an int4 row).
@@ -265,12 +275,41 @@ struct PieceView {
   Scales<LayoutOf<Rows>::template type> key_scales, value_scales;
   const float* queries;
   std::vector<int64_t> lo, hi;
+  // The residual: held[s - piece lo] is the residual slot holding slot s, or -1.
+  std::vector<int32_t> held;
+  int64_t piece_lo, dim;
+  const char *residual_keys = nullptr, *residual_values = nullptr;
+  bool residual_bf16;
   PieceView(const Problem& pb, const Piece& pc, float* part)
       : keys(pb, pb.keys, pc.row, pc.head, pb.row_elems), values(pb, pb.values, pc.row, pc.head, pb.row_elems),
         key_scales(pb, pb.key_scales, pc.row, pc.head), value_scales(pb, pb.value_scales, pc.row, pc.head),
         queries(pb.q + (pc.row * pb.kv_heads + pc.head) * pb.groups * pb.tokens * pb.head_dim),
-        lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens) {
+        lo(pb.groups * pb.tokens), hi(pb.groups * pb.tokens), piece_lo(pc.lo), dim(pb.head_dim),
+        residual_bf16(pb.residual_bf16) {
     visible_ranges(pb, pc, part, lo.data(), hi.data());
+    if (pb.residual > 0 && pc.hi > pc.lo) {
+      held.assign(pc.hi - pc.lo, -1);
+      const int64_t filled = pb.kv_len[pc.row];
+      for (int64_t r = 0; r < pb.residual; ++r) {
+        const int64_t p = pb.residual_pos[pc.row * pb.residual + r];
+        if (p >= 0 && p < filled && p >= pc.lo && p < pc.hi) held[p - pc.lo] = int32_t(r);
+      }
+      const int64_t element = pb.residual_bf16 ? 2 : 4;
+      const int64_t offset = (pc.row * pb.kv_heads + pc.head) * pb.residual * pb.head_dim * element;
+      residual_keys = static_cast<const char*>(pb.residual_keys) + offset;
+      residual_values = static_cast<const char*>(pb.residual_values) + offset;
+    }
+  }
+  // The residual slot holding slot s, or -1.
+  int32_t residual_slot(int64_t s) const { return held.empty() ? -1 : held[s - piece_lo]; }
+  // Residual row r of the keys (or values) as floats.
+  void residual_row(const char* base, int32_t r, float* out) const {
+    if (residual_bf16) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(base) + r * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] = to_float(row[d]);
+    } else {
+      std::memcpy(out, reinterpret_cast<const float*>(base) + r * dim, dim * sizeof(float));
+    }
   }
 };
 
@@ -294,6 +333,7 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
   const float* queries = in.queries;
   const std::vector<int64_t>&lo = in.lo, &hi = in.hi;
   float scores[kChunk];
+  std::vector<float> exact;  // a residual row
   for (int64_t qi = 0; qi < nq; ++qi) {
     const float* q = queries + qi * D;
     float* state = part + qi * (D + 2);
@@ -302,8 +342,15 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = keys(c0 + j);
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * element(k, d);
-        if (kQuantized<KV>) dot *= in.key_scales(c0 + j);
+        const int32_t r = kQuantized<KV> ? in.residual_slot(c0 + j) : -1;
+        if (r >= 0) {
+          exact.resize(D);
+          in.residual_row(in.residual_keys, r, exact.data());
+          for (int64_t d = 0; d < D; ++d) dot += q[d] * exact[d];
+        } else {
+          for (int64_t d = 0; d < D; ++d) dot += q[d] * element(k, d);
+          if (kQuantized<KV>) dot *= in.key_scales(c0 + j);
+        }
         scores[j] = dot;
       }
       const float correction = fold_scores(scores, n, 0, n, pb.softcap, state);
@@ -311,6 +358,13 @@ void run_piece_scalar(const Problem& pb, const Piece& pc, float* part) {
       for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
       for (int64_t j = 0; j < n; ++j) {
         const KV* v = values(c0 + j);
+        const int32_t r = kQuantized<KV> ? in.residual_slot(c0 + j) : -1;
+        if (r >= 0) {
+          exact.resize(D);
+          in.residual_row(in.residual_values, r, exact.data());
+          for (int64_t d = 0; d < D; ++d) acc[d] += scores[j] * exact[d];
+          continue;
+        }
         const float w = kQuantized<KV> ? scores[j] * in.value_scales(c0 + j) : scores[j];
         for (int64_t d = 0; d < D; ++d) acc[d] += w * element(v, d);
       }
@@ -468,9 +522,16 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(keys(c0 + j + kAhead));
         const KV* k = keys(c0 + j);
         Vec kr[kNV];
+        float key_scale = 1.0f;
         if constexpr (kQuantized<KV>) {
           alignas(64) float row[kD];
-          dequantize_row<kD>(k, row);
+          const int32_t r = in.residual_slot(c0 + j);
+          if (r >= 0) {
+            in.residual_row(in.residual_keys, r, row);  // the exact token; its scale is 1
+          } else {
+            dequantize_row<kD>(k, row);
+            key_scale = in.key_scales(c0 + j);
+          }
           for (int c = 0; c < kNV; ++c) kr[c] = load16(row + c * 16);
         } else {
           for (int c = 0; c < kNV; ++c) kr[c] = load16(k + c * kPer16<KV>);
@@ -481,7 +542,6 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
           for (int c = 1; c < kNV; ++c) dot[b] += qv[b][c] * kr[c];
         }
         const Vec sums = lane_sum4(dot[0], dot[1], dot[2], dot[3]);
-        const float key_scale = kQuantized<KV> ? in.key_scales(c0 + j) : 1.0f;
         for (int b = 0; b < kQB; ++b) scores[b][j] = kQuantized<KV> ? sums[b] * key_scale : sums[b];
       }
       float correction[kQB] = {1.0f, 1.0f, 1.0f, 1.0f};
@@ -497,14 +557,20 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(values(c0 + j + kAhead));
         const KV* v = values(c0 + j);
         Vec vr[kNV];
+        float value_scale = 1.0f;
         if constexpr (kQuantized<KV>) {
           alignas(64) float row[kD];
-          dequantize_row<kD>(v, row);
+          const int32_t r = in.residual_slot(c0 + j);
+          if (r >= 0) {
+            in.residual_row(in.residual_values, r, row);
+          } else {
+            dequantize_row<kD>(v, row);
+            value_scale = in.value_scales(c0 + j);
+          }
           for (int c = 0; c < kNV; ++c) vr[c] = load16(row + c * 16);
         } else {
           for (int c = 0; c < kNV; ++c) vr[c] = load16(v + c * kPer16<KV>);
         }
-        const float value_scale = kQuantized<KV> ? in.value_scales(c0 + j) : 1.0f;
         for (int b = 0; b < kQB; ++b) {
           const float w = scores[b][j];
           if (!same_range && w == 0.0f) continue;
@@ -846,7 +912,8 @@ ffi::Error check_bits(const char* who, int64_t bits) {
 
 ffi::Error quantized_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer keys,
                                       ffi::AnyBuffer values, ffi::AnyBuffer key_scales, ffi::AnyBuffer value_scales,
-                                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> q_pos,
+                                      ffi::AnyBuffer residual_keys, ffi::AnyBuffer residual_values,
+                                      ffi::Buffer<ffi::S32> residual_pos, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> q_pos,
                                       ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> out, int64_t window,
                                       float softcap, float scale, int64_t bits) {
   constexpr const char* kWho = "jaxkv quantized_decode_attention";
@@ -864,6 +931,24 @@ ffi::Error quantized_decode_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ff
   pb.slots = kd[3];
   err = select_scales(kWho, keys, key_scales, value_scales, li, pb);
   if (err.failure()) return err;
+  // The residual ring: keys/values [B, H, R, D] in f32 or bf16, positions [B, R].
+  const auto rd = residual_keys.dimensions();
+  const auto pd = residual_pos.dimensions();
+  const ffi::DataType rt = residual_keys.element_type();
+  const bool residual_ok = rd.size() == 4 && rd[0] == pb.batch && rd[1] == pb.kv_heads && rd[3] == pb.head_dim &&
+                           std::equal(rd.begin(), rd.end(), residual_values.dimensions().begin()) &&
+                           residual_values.dimensions().size() == 4 && residual_values.element_type() == rt &&
+                           (rt == ffi::DataType::F32 || rt == ffi::DataType::BF16 || rt == ffi::DataType::U16) &&
+                           pd.size() == 2 && pd[0] == pb.batch && pd[1] == rd[2];
+  if (!residual_ok) {
+    return ffi::Error::InvalidArgument(std::string(kWho) + ": expected residual keys and values [B, H, R, D] (float32 or bfloat16) and positions [B, R] for q " +
+                                       dims_str(q.dimensions()) + ", got " + dims_str(rd) + " and " + dims_str(pd));
+  }
+  pb.residual = rd[2];
+  pb.residual_keys = residual_keys.untyped_data();
+  pb.residual_values = residual_values.untyped_data();
+  pb.residual_pos = residual_pos.typed_data();
+  pb.residual_bf16 = rt != ffi::DataType::F32;
   select_layer(keys, values, li, pb);
   attend(pool, pb, bits == 8 ? Kind::kInt8 : Kind::kInt4, *out);
   return ffi::Error::Success();
@@ -920,6 +1005,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedDecodeAttention, quantized_decode_at
                                   .Arg<ffi::AnyBuffer>()          // values
                                   .Arg<ffi::AnyBuffer>()          // key_scales
                                   .Arg<ffi::AnyBuffer>()          // value_scales
+                                  .Arg<ffi::AnyBuffer>()          // residual_keys [B, H, R, D]
+                                  .Arg<ffi::AnyBuffer>()          // residual_values
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // residual_positions [B, R]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_len

@@ -241,7 +241,7 @@ def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged, b
     """The kernel's custom call; ``operands``: keys, values, layer, q_pos, kv_len and, when
     ``paged``, the block table (keys/values are then the page pool); with ``bits`` (8 or 4),
     key and value scales follow the keys and values (int8 codes, or uint8 bytes of two int4
-    codes)."""
+    codes), and, not paged, the residual's keys, values and positions."""
     # vmap never reaches this call: _batchable_kernel maps it first.
     targets = {(False, False): _kernels.TARGET, (True, False): _kernels.PAGED_TARGET,
                (False, True): _kernels.QUANTIZED_TARGET, (True, True): _kernels.PAGED_QUANTIZED_TARGET}
@@ -299,6 +299,8 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
         cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
         scales = (named(None, None if paged else rows, heads, None),) * 2 if bits else ()
+        if bits and not paged:  # the residual ring: keys, values [B, H, R, D], positions [B, R]
+            scales += (named(rows, heads, None, None),) * 2 + (named(rows, None),)
         args = (named(rows, heads, None, None), cache, cache, *scales, named(), named(rows, None), named(rows))
         if paged:
             args += (named(rows, None),)
@@ -315,12 +317,13 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         partition=partition,
         infer_sharding_from_operands=infer,
         # queries [B, Hq, T, D], keys and values [L, B, H, S, D] (paged: pools [L, P, H, ps, D];
-        # quantized: codes [L, B, H, S, D'] and scales [L, B, H, S]), layer [], q_pos [B, T],
+        # quantized: codes [L, B, H, S, D'] and scales [L, B, H, S], then, not paged, the
+        # residual's keys and values [B, H, R, D] and positions [B, R]), layer [], q_pos [B, T],
         # kv_len [B] (paged: block_table [B, M])
         sharding_rule=(
             "b h t d, l p k s e, l p k s e, l p k s, l p k s, , b t, b, b m -> b h t d" if paged and bits
             else "b h t d, l p k s d, l p k s d, , b t, b, b m -> b h t d" if paged
-            else "b h t d, l b k s e, l b k s e, l b k s, l b k s, , b t, b -> b h t d" if bits
+            else "b h t d, l b k s e, l b k s e, l b k s, l b k s, b k r d, b k r d, b r, , b t, b -> b h t d" if bits
             else "b h t d, l b k s d, l b k s d, , b t, b -> b h t d"
         ),
     )
@@ -524,11 +527,11 @@ def quantized_blockwise_attend(
     Two implementations, chosen by ``implementation`` as for :func:`blockwise_attend`:
 
     * On CPU, up to 16 queries, float32/bfloat16 queries and model dtype, float32/bfloat16
-      scales and no residual (``residual_length=0``, the default): the native kernel reads
-      the int8 codes (or the bytes of two int4 codes) and the per-token scales in place and
-      dequantizes in registers: a key's scale multiplies its logit, a value's its weight.
-      It computes in float32 (the XLA loop rounds dequantized elements to the model dtype
-      first, so bfloat16 results may differ in the last bits).
+      scales: the native kernel reads the int8 codes (or the bytes of two int4 codes) and the
+      per-token scales in place and dequantizes each row as it reads it: a key's scale
+      multiplies its logit, a value's its weight; a slot the residual holds is read from the
+      residual's exact token instead. It computes in float32 (the XLA loop rounds dequantized
+      elements to the model dtype first, so bfloat16 results may differ in the last bits).
     * Otherwise the XLA loop: each block of codes and its scales is sliced from the stacked
       buffers and dequantized inside the loop (the whole layer is never materialised), and
       the tokens the view's full-precision residual holds replace their quantized copies in
@@ -549,12 +552,15 @@ def quantized_blockwise_attend(
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("quantized_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
-    args = (queries, view.keys, view.values, view.key_scales, view.value_scales, jnp.asarray(view.layer, jnp.int32),
+    args = (queries, view.keys, view.values, view.key_scales, view.value_scales, view.residual_keys,
+            view.residual_values, view.residual_positions.astype(jnp.int32), jnp.asarray(view.layer, jnp.int32),
             q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32))
 
-    def xla(queries, keys, values, key_scales, value_scales, layer, q_pos, kv_len):
-        codes = view._replace(keys=keys, values=values, key_scales=key_scales, value_scales=value_scales, layer=layer,
-                              lengths=kv_len)
+    def xla(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions, layer,
+            q_pos, kv_len):
+        codes = view._replace(keys=keys, values=values, key_scales=key_scales, value_scales=value_scales,
+                              residual_keys=residual_keys, residual_values=residual_values,
+                              residual_positions=residual_positions, layer=layer, lengths=kv_len)
         return _quantized_loop(queries, codes, q_pos, sliding_window=sliding_window, logit_softcap=logit_softcap,
                                scale=scale, block_size=block_size)
 
@@ -565,9 +571,8 @@ def quantized_blockwise_attend(
 
 
 def _quantized_kernel_unsuitable(queries: jax.Array, view) -> str | None:
-    if view.residual_keys.shape[2]:
-        return (f"a residual of {view.residual_keys.shape[2]} full-precision tokens (the kernel reads codes only; "
-                "residual_length=0 lets it run)")
+    if view.residual_keys.dtype != jnp.dtype(view.dtype):
+        return f"residual tokens of dtype {view.residual_keys.dtype} in a {jnp.dtype(view.dtype)} view"
     if jnp.dtype(view.scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"scales of dtype {jnp.dtype(view.scale_dtype)}; the kernel reads float32 and bfloat16 scales"
     return _kernel_unsuitable(queries, jnp.dtype(view.dtype))
