@@ -27,7 +27,7 @@ demo: $(STAMP_BASE)
 demo-caches: $(STAMP_BASE)
 	$(PY) -m jaxkv.demo
 
-# The CPU attention kernel, built before the tests (once per machine, cached; about 20 s of g++
+# The CPU attention kernel, built before the tests (once per machine, cached; about 45 s of g++
 # on a new machine; without a compiler it warns and the XLA path is tested), so that the two
 # pytest workers do not both compile it on their first attention call.
 cpu-kernel: $(STAMP_TEST)
@@ -48,6 +48,7 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_attention.py
 	$(PY) benchmarks/bench_cache_kinds.py
+	$(PY) benchmarks/bench_kernel_kinds.py
 	$(PY) benchmarks/bench_capacity.py
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_compile.py

@@ -121,7 +121,7 @@ def build(compiler: str | None = None) -> Path:
 def available() -> bool:
     """True when the CPU decode-attention kernel is built, loaded and registered.
 
-    The first call compiles it if needed (about ten seconds, once per machine); later calls are
+    The first call compiles it if needed (about 45 s on a 2-core machine, once per machine); later calls are
     free. False when ``JAXKV_CPU_KERNEL=0`` or the build failed (warned once).
     """
     if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
