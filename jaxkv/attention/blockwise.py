@@ -22,8 +22,9 @@ Two implementations compute this same function:
   bandwidth. ``implementation="auto"`` (the default) picks it when it applies. It is built
   (with the machine's C++ compiler) and registered only when JAX's default device is a
   CPU: tracing for a GPU or TPU never runs the compiler. The same kernel reads a paged
-  pool (float pages) through the block table (:func:`paged_blockwise_attend`); int8/int4
-  pages, quantized caches and anything off CPU take the XLA loop.
+  pool through the block table (:func:`paged_blockwise_attend`), and int8/int4 codes with
+  their per-token scales (:func:`quantized_blockwise_attend`, int8/int4 pages), each row
+  dequantized as it is read; anything off CPU takes the XLA loop.
 
 ``benchmarks/bench_attention.py`` measures both side by side; ``benchmarks/bench_paged.py``
 (section "attention") a paged decode step against a contiguous one.

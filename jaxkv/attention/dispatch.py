@@ -56,9 +56,11 @@ def attend_view(
       EncoderDecoderCache's static self part): :func:`jaxkv.attention.blockwise.blockwise_attend`
       over the stacked buffers: only filled blocks are read (the CPU kernel on CPU).
     * :class:`~jaxkv.caches.QuantizedView`: the same blockwise loop, dequantizing each
-      block as it is read (never the whole layer), with the exact residual tokens patched in.
+      block as it is read (never the whole layer), with the exact residual tokens patched
+      in; on CPU the kernel reads the codes, scales and residual in place.
     * :class:`~jaxkv.caches.PagedView` (PagedCache): the same loop, each block's pages
-      gathered through the row's block table (dequantized for int8/int4 pages).
+      gathered through the row's block table (dequantized for int8/int4 pages); on CPU the
+      kernel reads the pool through the table, float or int8/int4.
     * On a GPU, contiguous, quantized and paged views go to the Pallas split-K kernels of
       :mod:`jaxkv.attention.pallas_gpu` where they apply (``JAXKV_PALLAS_GPU``: ``auto``,
       ``1`` forces them, in interpret mode off a GPU; ``0`` turns them off).
