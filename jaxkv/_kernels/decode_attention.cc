@@ -243,23 +243,17 @@ inline float fold_scores(float* scores, int64_t n, int64_t a, int64_t z, float s
   return correction;
 }
 
-// What a piece reads: its kv head's key and value rows (by slot, through `Rows`), its
-// queries ([G, T, D], contiguous) and each query's visible range; the queries' states are
-// reset in `part`.
 // A quantized piece's per-slot scales, in the layout of its codes (one element per row);
 // floats have none (every scale 1).
 template <template <typename> class Layout>
 struct Scales {
   Layout<float> f32;
   Layout<uint16_t> bf16;
-  bool is_bf16, used;
+  bool is_bf16;
   Scales(const Problem& pb, const void* buffer, int64_t row, int64_t head)
-      : f32(pb, buffer, row, head, 1), bf16(pb, buffer, row, head, 1), is_bf16(pb.scales_bf16), used(buffer != nullptr) {}
+      : f32(pb, buffer, row, head, 1), bf16(pb, buffer, row, head, 1), is_bf16(pb.scales_bf16) {}
   float operator()(int64_t s) const { return is_bf16 ? to_float(*bf16(s)) : *f32(s); }
 };
-
-template <typename T> using ContiguousOf = ContiguousRows<T>;
-template <typename T> using PagedOf = PagedRows<T>;
 
 template <typename Rows> struct LayoutOf;
 template <typename KV> struct LayoutOf<ContiguousRows<KV>> {
@@ -269,6 +263,9 @@ template <typename KV> struct LayoutOf<PagedRows<KV>> {
   template <typename T> using type = PagedRows<T>;
 };
 
+// What a piece reads: its kv head's key and value rows (by slot, through `Rows`), its
+// queries ([G, T, D], contiguous) and each query's visible range; the queries' states are
+// reset in `part`.
 template <typename Rows>
 struct PieceView {
   Rows keys, values;
@@ -465,13 +462,43 @@ inline void widen_row(const uint16_t* p, float* out) {
     _mm256_store_ps(out + i, _mm256_castsi256_ps(w));
   }
 #else
-  for (int i = 0; i < kD; ++i) out[i] = to_float(p[i]);
+  for (int i = 0; i < kD; i += 16) {
+    const Vec v = load16(p + i);
+    std::memcpy(out + i, &v, sizeof v);
+  }
 #endif
 }
 
-// Stored elements holding 16 head-dim elements, and bytes per row of head dim kD.
-template <typename KV> constexpr int kPer16 = std::is_same<KV, Int4>::value ? 8 : 16;
-template <typename KV, int kD> constexpr int64_t kRowBytes = int64_t(kD) * int64_t(sizeof(KV)) * kPer16<KV> / 16;
+// Slot s's key (or value) row as kD / 16 vectors in `out`, through an aligned stack row: a
+// float32 row copied (loading the vectors straight from the cache row ran 1.6x slower on
+// AVX2: /tmp probes, 1024 tokens x 8 kv heads x 128, 0.96-1.08 ms against 0.60-0.71), bf16
+// bits widened (1.2-1.4x), int8/int4 codes dequantized, or, for a slot the residual holds,
+// its exact token. Returns the row's scale: a quantized row's, else 1.
+template <typename KV, int kD, typename View, typename RowScales>
+inline float load_row(const View& in, const KV* stored, const char* residual, const RowScales& scales, int64_t s,
+                      Vec* out) {
+  alignas(64) float row[kD];
+  float scale = 1.0f;
+  if constexpr (kQuantized<KV>) {
+    const int32_t r = in.residual_slot(s);
+    if (r >= 0) {
+      in.residual_row(residual, r, row);
+    } else {
+      dequantize_row<kD>(stored, row);
+      scale = scales(s);
+    }
+  } else if constexpr (std::is_same<KV, float>::value) {
+    std::memcpy(row, stored, sizeof row);
+  } else {
+    widen_row<kD>(stored, row);
+  }
+  for (int c = 0; c < kD / 16; ++c) out[c] = load16(row + c * 16);
+  return scale;
+}
+
+// Bytes per stored row of head dim kD (int4: two codes per byte).
+template <typename KV, int kD>
+constexpr int64_t kRowBytes = std::is_same<KV, Int4>::value ? kD / 2 : int64_t(kD) * int64_t(sizeof(KV));
 
 // Asks for a key or value row kPrefetchBytes ahead of the one being read, into L2. One
 // core's hardware prefetcher alone cannot keep enough reads in flight while the core also
@@ -533,38 +560,15 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
       const int64_t n = std::min(kChunk, last - c0);
       for (int64_t j = 0; j < n; ++j) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(keys(c0 + j + kAhead));
-        const KV* k = keys(c0 + j);
         Vec kr[kNV];
-        float key_scale = 1.0f;
-        if constexpr (kQuantized<KV>) {
-          alignas(64) float row[kD];
-          const int32_t r = in.residual_slot(c0 + j);
-          if (r >= 0) {
-            in.residual_row(in.residual_keys, r, row);  // the exact token; its scale is 1
-          } else {
-            dequantize_row<kD>(k, row);
-            key_scale = in.key_scales(c0 + j);
-          }
-          for (int c = 0; c < kNV; ++c) kr[c] = load16(row + c * 16);
-        } else if constexpr (std::is_same<KV, float>::value) {
-          // Copied to an aligned stack row first: loading the 16-float vectors straight from
-          // the cache row ran 1.6x slower on AVX2 (/tmp probes, 1024 tokens x 8 kv heads x
-          // 128, f32: 0.96-1.08 ms against 0.60-0.71), and widening bf16 rows here 1.2-1.4x.
-          alignas(64) float row[kD];
-          std::memcpy(row, k, sizeof row);
-          for (int c = 0; c < kNV; ++c) kr[c] = load16(row + c * 16);
-        } else {  // bf16 bits
-          alignas(64) float row[kD];
-          widen_row<kD>(k, row);
-          for (int c = 0; c < kNV; ++c) kr[c] = load16(row + c * 16);
-        }
+        const float key_scale = load_row<KV, kD>(in, keys(c0 + j), in.residual_keys, in.key_scales, c0 + j, kr);
         Vec dot[kQB];
         for (int b = 0; b < kQB; ++b) {
           dot[b] = qv[b][0] * kr[0];
           for (int c = 1; c < kNV; ++c) dot[b] += qv[b][c] * kr[c];
         }
         const Vec sums = lane_sum4(dot[0], dot[1], dot[2], dot[3]);
-        for (int b = 0; b < kQB; ++b) scores[b][j] = kQuantized<KV> ? sums[b] * key_scale : sums[b];
+        for (int b = 0; b < kQB; ++b) scores[b][j] = sums[b] * key_scale;  // the scale is 1 for float rows
       }
       float correction[kQB] = {1.0f, 1.0f, 1.0f, 1.0f};
       for (int b = 0; b < nb; ++b) {
@@ -577,33 +581,12 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
       }
       for (int64_t j = 0; j < n; ++j) {
         if (c0 + j + kAhead < last) prefetch_row<kD>(values(c0 + j + kAhead));
-        const KV* v = values(c0 + j);
         Vec vr[kNV];
-        float value_scale = 1.0f;
-        if constexpr (kQuantized<KV>) {
-          alignas(64) float row[kD];
-          const int32_t r = in.residual_slot(c0 + j);
-          if (r >= 0) {
-            in.residual_row(in.residual_values, r, row);
-          } else {
-            dequantize_row<kD>(v, row);
-            value_scale = in.value_scales(c0 + j);
-          }
-          for (int c = 0; c < kNV; ++c) vr[c] = load16(row + c * 16);
-        } else if constexpr (std::is_same<KV, float>::value) {
-          alignas(64) float row[kD];
-          std::memcpy(row, v, sizeof row);
-          for (int c = 0; c < kNV; ++c) vr[c] = load16(row + c * 16);
-        } else {  // bf16 bits
-          alignas(64) float row[kD];
-          widen_row<kD>(v, row);
-          for (int c = 0; c < kNV; ++c) vr[c] = load16(row + c * 16);
-        }
+        const float value_scale = load_row<KV, kD>(in, values(c0 + j), in.residual_values, in.value_scales, c0 + j, vr);
         for (int b = 0; b < kQB; ++b) {
           const float w = scores[b][j];
           if (!same_range && w == 0.0f) continue;
-          const float wv = kQuantized<KV> ? w * value_scale : w;
-          for (int c = 0; c < kNV; ++c) acc[b][c] += wv * vr[c];
+          for (int c = 0; c < kNV; ++c) acc[b][c] += (w * value_scale) * vr[c];
         }
       }
       for (int b = 0; b < nb; ++b) {
