@@ -299,10 +299,10 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         rows, heads = _local_axes(mesh, arg_shapes, paged)
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
         cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
-        scales = (named(None, None if paged else rows, heads, None),) * 2 if bits else ()
+        quantized = (named(None, None if paged else rows, heads, None),) * 2 if bits else ()  # the scales
         if bits and not paged:  # the residual ring: keys, values [B, H, R, D], positions [B, R]
-            scales += (named(rows, heads, None, None),) * 2 + (named(rows, None),)
-        args = (named(rows, heads, None, None), cache, cache, *scales, named(), named(rows, None), named(rows))
+            quantized += (named(rows, heads, None, None),) * 2 + (named(rows, None),)
+        args = (named(rows, heads, None, None), cache, cache, *quantized, named(), named(rows, None), named(rows))
         if paged:
             args += (named(rows, None),)
         return args, named(rows, heads, None, None)
