@@ -282,6 +282,14 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     _check_memory(loaded, len(ids), args.max_new_tokens)
     eos = _eos_ids(path)
     _use_compilation_cache()  # only now: a run refused above leaves JAX's settings alone
+    if jax.default_backend() == "cpu":
+        from jaxkv import _kernels
+
+        # A new machine's first run: the kernel's compiler (25-45 s) runs in the background
+        # and this run takes the XLA loop, instead of a silent wait before the first token.
+        if _kernels.start_background_build():
+            print("[jaxkv] the CPU attention kernel is being built in the background (once per machine, "
+                  "about a minute); this run uses the slower XLA path", file=sys.stderr)
 
     out.write(args.prompt)
     out.flush()

@@ -45,3 +45,69 @@ def test_cpu_backend_builds_the_kernel(builds, monkeypatch):
     with pytest.warns(RuntimeWarning, match="kernel is unavailable"):
         jax.make_jaxpr(lambda *a: blockwise_attend(*a, **KW))(*ARGS)
     assert len(builds) == 1
+
+
+def test_background_build_leaves_this_process_on_xla_and_a_later_one_finds_the_build(tmp_path, monkeypatch):
+    """The CLI's first run on a machine does not wait for the compiler: a detached process
+    builds (here a stand-in compiler that writes a file), this process traces the XLA loop,
+    a second call while the builder's marker is fresh starts no second builder, and once the
+    build is there nothing starts again."""
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "fake-cxx"
+    log = tmp_path / "runs"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo fake-cxx 1.0; exit 0; fi\n'
+        f'echo run >> "{log}"\n'
+        'while [ "$#" -gt 1 ]; do shift; done\n'  # the last argument is the output path
+        'echo built > "$1"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAXKV_CPU_KERNEL", raising=False)
+    monkeypatch.setattr(_kernels, "_state", {})
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    spawned = []  # the builders (Python processes; `--version` runs of the compiler are not counted)
+    popen = subprocess.Popen
+
+    def count_builders(args, *rest, **kwargs):
+        process = popen(args, *rest, **kwargs)
+        if args[0] == sys.executable:
+            spawned.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", count_builders)
+    assert _kernels.built() is None
+
+    assert _kernels.start_background_build() is True
+    assert _kernels.available() is False  # no waiting, no warning: this process uses the XLA loop
+    jaxpr = jax.make_jaxpr(lambda *a: blockwise_attend(*a, **KW))(*ARGS)
+    assert _kernels.TARGET not in str(jaxpr)
+
+    monkeypatch.setattr(_kernels, "_state", {})  # another process, while the builder may still run
+    deadline = time.monotonic() + 60
+    while _kernels.built() is None and time.monotonic() < deadline:
+        _kernels.start_background_build()  # the marker is fresh: no second builder (the log below)
+        monkeypatch.setattr(_kernels, "_state", {})
+        time.sleep(0.2)
+    path = _kernels.built()
+    assert path is not None and path.read_text() == "built\n"
+    while any(path.parent.glob("*.building")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the builder removes its marker after the build
+    assert not any(path.parent.glob("*.building"))
+    assert len(spawned) == 1 and spawned[0].wait(timeout=60) == 0  # one builder, and it succeeded
+    assert log.read_text() == "run\n"  # the compiler ran once
+    assert _kernels.start_background_build() is False  # built: the next process loads it
+
+
+def test_background_build_is_off_with_the_kernel_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXKV_CPU_KERNEL", "0")
+    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_kernels, "_state", {})
+    assert _kernels.start_background_build() is False
+    assert list(tmp_path.iterdir()) == []

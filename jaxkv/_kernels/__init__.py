@@ -15,6 +15,11 @@ Nothing here is needed for correctness: without a compiler, or with ``JAXKV_CPU_
 why when a build fails). ``JAXKV_KERNEL_CACHE`` overrides the cache directory (default
 ``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``; a temporary directory if that cannot be
 written).
+
+The build takes 25-45 s of one core on a 2-core machine. A library call waits for it (the
+first attention traced for CPU); the CLI does not: :func:`start_background_build` starts it
+in a detached process and that first run uses the XLA loop, so a new user's first
+``jaxkv generate`` prints its first token in seconds, not after the compiler.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import jax
 
-__all__ = ["available", "build", "PAGED_QUANTIZED_TARGET", "PAGED_TARGET", "QUANTIZED_TARGET", "TARGET"]
+__all__ = [
+    "available", "build", "built", "start_background_build", "PAGED_QUANTIZED_TARGET", "PAGED_TARGET",
+    "QUANTIZED_TARGET", "TARGET",
+]
 
 TARGET = "jaxkv_decode_attention"
 PAGED_TARGET = "jaxkv_paged_decode_attention"
@@ -77,11 +87,11 @@ def _cache_dir() -> Path:
     return Path(base) / "jaxkv"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compiles the kernel library if no up-to-date build is cached; returns its path.
+def _plan(compiler: str | None = None) -> tuple[str, str, list[Path]]:
+    """``(compiler, file name of this build, directories to look in / write to)``.
 
     Raises:
-      RuntimeError: no C++ compiler, or the compiler failed (its message included).
+      RuntimeError: no C++ compiler.
     """
     compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
@@ -95,19 +105,41 @@ def build(compiler: str | None = None) -> Path:
     ).hexdigest()[:16]
     name = f"decode_attention-{key}.so"
     candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"jaxkv-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
-    for directory in candidates:
-        if (directory / name).exists():
-            return directory / name
+    return compiler, name, candidates
+
+
+def built(compiler: str | None = None) -> Path | None:
+    """The up-to-date build's path, or None when it has not been built (builds nothing).
+
+    Raises:
+      RuntimeError: no C++ compiler.
+    """
+    _, name, candidates = _plan(compiler)
+    return next((d / name for d in candidates if (d / name).exists()), None)
+
+
+def _writable(candidates: list[Path]) -> Path:
     for directory in candidates:  # the first one we can write to (a read-only home falls back to /tmp)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if os.access(directory, os.W_OK):
-                break
+                return directory
         except OSError:
             continue
-    else:
-        raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]}")
-    out = directory / name
+    raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]}")
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compiles the kernel library if no up-to-date build is cached; returns its path.
+
+    Raises:
+      RuntimeError: no C++ compiler, or the compiler failed (its message included).
+    """
+    compiler, name, candidates = _plan(compiler)
+    for directory in candidates:
+        if (directory / name).exists():
+            return directory / name
+    out = _writable(candidates) / name
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         cmd = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
@@ -118,11 +150,62 @@ def build(compiler: str | None = None) -> Path:
     return out
 
 
+#: A builder younger than this is taken to be still running (its marker file's age).
+BUILDING_MARKER_SECONDS = 600
+
+
+def start_background_build() -> bool:
+    """For a program that should not wait for the compiler (the CLI's first run on a machine):
+    when the kernel is not built yet, starts its build in a detached process and makes this
+    process use the XLA loop (``available()`` is then False here); a later process finds the
+    build. Returns True when this process will not use the kernel because it is being built
+    (a build started now, or one another process started less than
+    ``BUILDING_MARKER_SECONDS`` ago); False when the kernel is built (or already loaded), is
+    off (``JAXKV_CPU_KERNEL=0``), or cannot be built here (no compiler, no writable
+    directory: ``available()`` then warns as usual).
+    """
+    if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
+        return False
+    with _lock:
+        if "ok" in _state:
+            return False
+        try:
+            compiler, name, candidates = _plan()
+            if any((d / name).exists() for d in candidates):
+                return False
+            directory = _writable(candidates)
+        except (RuntimeError, OSError):
+            return False
+        marker = directory / f"{name}.building"
+        try:
+            fresh = time.time() - marker.stat().st_mtime < BUILDING_MARKER_SECONDS
+        except OSError:
+            fresh = False
+        if not fresh:
+            marker.write_text(str(os.getpid()))
+            # The builder removes the marker when it ends, built or not (a killed one leaves
+            # it, which ages out). Its own session: it outlives this process.
+            script = (
+                "import os, sys\n"
+                "from jaxkv import _kernels\n"
+                "try:\n    _kernels.build(sys.argv[1])\n"
+                "finally:\n    os.unlink(sys.argv[2])\n"
+            )
+            subprocess.Popen(
+                [sys.executable, "-c", script, compiler, str(marker)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        _state["ok"] = False  # this process: the XLA loop, without a warning
+        _state["building"] = True
+        return True
+
+
 def available() -> bool:
     """True when the CPU decode-attention kernel is built, loaded and registered.
 
     The first call compiles it if needed (about 45 s on a 2-core machine, once per machine); later calls are
-    free. False when ``JAXKV_CPU_KERNEL=0`` or the build failed (warned once).
+    free. False when ``JAXKV_CPU_KERNEL=0``, the build failed (warned once), or
+    :func:`start_background_build` left the build to another process.
     """
     if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
         return False
