@@ -303,3 +303,29 @@ def test_a_step_on_taken_rows_equals_the_step_on_the_whole_cache():
     q = jnp.asarray(rng.standard_normal((3, HQ, 1, D)), jnp.float32)
     for a, b in zip(_attend_all(got, q), _attend_all(want, q)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_padding_of_take_rows_holds_no_page_so_a_shared_page_is_copied_not_overwritten():
+    """Rows 0 and 1 share a partial page; row 0 has written past the fork. A step on row 1
+    alone, padded to two rows, must copy the page: row 0 (outside the sub-cache) keeps its
+    token. The padding used to carry row 1's block table, counted as a second holder, and
+    the in-place rule let row 1 overwrite row 0's token."""
+    cache = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=8, page_size=4,
+                            num_pages=4)
+    ones = jnp.ones((2, 1, 2, 2))
+    cache, _, _ = cache.update(ones, ones, 0, num_new=jnp.array([2, 0]))
+    cache = cache.batch_select_indices(jnp.array([0, 0]))  # both rows: the same page, 2 tokens
+    ten = jnp.full((2, 1, 1, 2), 10.0)
+    cache, _, _ = cache.update(ten, ten, 0, num_new=jnp.array([1, 0]))  # row 0: position 2 is 10
+    rows = jnp.array([1, 2])  # 2 == batch_size: padding
+    sub = cache.take_rows(rows)
+    minus = jnp.full((2, 1, 1, 2), -7.0)
+    sub, _, _ = sub.update(minus, minus, 0, num_new=jnp.array([1, 0]))
+    merged = cache.merge_rows(rows, sub)
+    keys, values = merged[0]
+    np.testing.assert_array_equal(np.asarray(keys)[:, 0, :3, 0], [[1, 1, 10], [1, 1, -7]])
+    np.testing.assert_array_equal(np.asarray(values)[:, 0, :3, 0], [[1, 1, 10], [1, 1, -7]])
+    table = np.asarray(merged.block_table)
+    assert table[0, 0] != table[1, 0]  # row 1 got its own copy of the page
+    assert np.asarray(sub.block_table)[1].tolist() == [-1, -1] and np.asarray(sub.lengths)[:, 1].tolist() == [0]
+    assert np.asarray(merged.refcount).tolist().count(1) == 2

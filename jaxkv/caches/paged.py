@@ -525,14 +525,22 @@ class PagedCache(KVCache):
         """A cache of just ``rows`` (int32[N]) that shares this one's pool: no page data
         moves and no count changes. Run a step on it, then :meth:`merge_rows` it back; in
         between, use only the sub-cache (its pool and counts are the live ones). Entries
-        ``>= batch_size`` are padding: they read the last row and must write nothing
-        (``num_new`` 0); merging drops them. A serving loop steps only its busy rows this way.
+        ``>= batch_size`` are padding: empty rows (no pages, length 0) that must write
+        nothing (``num_new`` 0); merging drops them. A serving loop steps only its busy rows
+        this way.
         """
         idx = _rows_or(rows, self.batch_size, self.batch_size)  # 2**32 + 1 is padding, never row 1
         safe = jnp.clip(idx, 0, self.batch_size - 1)
+        pad = idx >= self.batch_size
         store = self.stores[0]
-        sub = dataclasses.replace(store, block_table=store.block_table[safe])
-        return dataclasses.replace(self, stores=(sub,), lengths=self.lengths[:, safe], flags=self.flags[safe])
+        # Padding holds no page: a copy of a real row's table would count as a second holder
+        # of its pages, and the copy-on-write rule (which lets a page's only holders in the
+        # step write in place) then let that row overwrite a page a row outside the
+        # sub-cache still reads.
+        table = jnp.where(pad[:, None], jnp.int32(NO_PAGE), store.block_table[safe])
+        sub = dataclasses.replace(store, block_table=table)
+        lengths = jnp.where(pad[None, :], 0, self.lengths[:, safe])
+        return dataclasses.replace(self, stores=(sub,), lengths=lengths, flags=self.flags[safe])
 
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
