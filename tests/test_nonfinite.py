@@ -156,3 +156,36 @@ def test_paged_kernel_and_loop_follow_the_contract(window, softcap):
             check(got, want)
         except AssertionError as err:
             raise AssertionError(f"paged {implementation}: {err}") from None
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+def test_quantized_caches_keep_a_non_finite_token_non_finite(bad):
+    """int8/int4 codes cannot hold inf or NaN: such a token used to be stored with a
+    saturated scale, so inf became a finite value (and the token's other elements 0) and
+    attention that saw it came out finite. Its scale is NaN now: as over a StaticCache, a
+    query that sees the token gives NaN and one that does not is unaffected."""
+    from jaxkv import PagedCache, QuantizedCache, StaticCache
+    from jaxkv.attention import cache_attention
+
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(1, 1, 3, 8)).astype(np.float32)
+    values = rng.normal(size=(1, 1, 3, 8)).astype(np.float32)
+    queries = jnp.asarray(rng.normal(size=(1, 2, 3, 8)), jnp.float32)
+    size = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, max_length=8)
+    kinds = {
+        "static": StaticCache.init(**size),
+        "int8": QuantizedCache.init(**size, bits=8, residual_length=0),
+        "int4": QuantizedCache.init(**size, bits=4, residual_length=0),
+        "paged int8": PagedCache.init(**size, page_size=4, bits=8),
+    }
+    for where in ("key", "value"):
+        k, v = keys.copy(), values.copy()
+        (k if where == "key" else v)[0, 0, 1, 3] = bad  # token 1: seen by queries 1 and 2, not 0
+        outs = {}
+        for name, cache in kinds.items():
+            out, _ = cache_attention(queries, jnp.asarray(k), jnp.asarray(v), cache, 0, positions=cache.positions(3))
+            outs[name] = np.asarray(out)
+            assert np.isnan(outs[name][0, :, 1:]).all(), (name, where)  # queries that see token 1
+            assert np.isfinite(outs[name][0, :, 0]).all(), (name, where)  # the one that does not
+        for name in ("int8", "int4", "paged int8"):  # query 0 sees token 0 only: within the codec's error
+            np.testing.assert_allclose(outs[name][0, :, 0], outs["static"][0, :, 0], atol=0.5)
