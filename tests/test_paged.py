@@ -329,3 +329,60 @@ def test_padding_of_take_rows_holds_no_page_so_a_shared_page_is_copied_not_overw
     assert table[0, 0] != table[1, 0]  # row 1 got its own copy of the page
     assert np.asarray(sub.block_table)[1].tolist() == [-1, -1] and np.asarray(sub.lengths)[:, 1].tolist() == [0]
     assert np.asarray(merged.refcount).tolist().count(1) == 2
+
+
+def test_attach_prefix_under_jit_checks_what_the_eager_call_checks_and_flags_the_row():
+    cache = PagedCache.init(num_layers=1, batch_size=3, num_kv_heads=1, head_dim=2, max_length=8, page_size=4,
+                            num_pages=6)
+    k = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 1, 4, 2)
+    cache, _, _ = cache.update(k, k, 0, num_new=jnp.array([4, 0, 2]))
+    page = cache.row_pages(0)[0]
+    cache = cache.retain(jnp.array([page]))
+    attach = jax.jit(lambda c, row, pages, n: c.attach_prefix(row, pages, n))
+    good = attach(cache, jnp.int32(1), jnp.array([page]), jnp.int32(4))
+    eager = cache.attach_prefix(1, np.array([page]), 4)
+    for a, b in zip(jax.tree.leaves(good), jax.tree.leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(good.flags).tolist() == [0, 0, 0]
+    free_page = int(np.flatnonzero(np.asarray(cache.refcount) == 0)[0])
+    for row, pages, n, why in [
+        (1, [page], 8, "more tokens than the pages hold"),
+        (1, [page], 3, "fewer"),
+        (2, [page], 4, "row not empty"),
+        (1, [free_page], 4, "a free page"),
+        (1, [7], 4, "a page id out of range"),
+    ]:
+        with pytest.raises(ValueError):
+            cache.attach_prefix(row, np.array(pages), n)
+        bad = attach(cache, jnp.int32(row), jnp.array(pages), jnp.int32(n))
+        want_flags = [0, 0, 0]
+        want_flags[row] = INVALID
+        assert np.asarray(bad.flags).tolist() == want_flags, why
+        np.testing.assert_array_equal(np.asarray(bad.lengths), np.asarray(cache.lengths), err_msg=why)
+        np.testing.assert_array_equal(np.asarray(bad.block_table), np.asarray(cache.block_table), err_msg=why)
+        np.testing.assert_array_equal(np.asarray(bad.refcount), np.asarray(cache.refcount), err_msg=why)
+
+
+def test_a_row_named_twice_in_take_rows_is_an_error_eagerly_and_padding_under_jit():
+    """Named twice, a row's pages had two holders inside the step, and the in-place rule let
+    it overwrite a page shared with a row outside the sub-cache (same scenario as the
+    padding test above)."""
+    cache = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=8, page_size=4,
+                            num_pages=4)
+    ones = jnp.ones((2, 1, 2, 2))
+    cache, _, _ = cache.update(ones, ones, 0, num_new=jnp.array([2, 0]))
+    cache = cache.batch_select_indices(jnp.array([0, 0]))
+    ten = jnp.full((2, 1, 1, 2), 10.0)
+    cache, _, _ = cache.update(ten, ten, 0, num_new=jnp.array([1, 0]))
+    with pytest.raises(ValueError, match=r"rows \[1\] appear more than once"):
+        cache.take_rows(np.array([1, 1]))
+
+    @jax.jit
+    def step(cache, rows):
+        sub = cache.take_rows(rows)
+        minus = jnp.full((2, 1, 1, 2), -7.0)
+        sub, _, _ = sub.update(minus, minus, 0, num_new=jnp.array([1, 0]))
+        return cache.merge_rows(rows, sub)
+
+    keys, _ = step(cache, jnp.array([1, 1]))[0]
+    np.testing.assert_array_equal(np.asarray(keys)[:, 0, :3, 0], [[1, 1, 10], [1, 1, -7]])

@@ -47,6 +47,7 @@ from jax.tree_util import register_dataclass
 
 from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
 from jaxkv.caches._checks import (
+    INVALID,
     _check_row_indices,
     _check_sizes,
     _floating_dtype,
@@ -387,6 +388,26 @@ def _rows_or(x: Any, stop: int, fill: int) -> Array:
     return jnp.asarray(np.where((host >= 0) & (host < stop), host, fill).astype(np.int32))
 
 
+def _distinct_rows(rows: Any, batch_size: int, who: str) -> Array:
+    """:func:`_rows_or` for take/merge: padding is ``batch_size``, and a row named again
+    after its first entry is an error (concrete rows) or padding (traced)."""
+    idx = _rows_or(rows, batch_size, batch_size)  # 2**32 + 1 is padding, never row 1
+    if not _is_traced(rows):  # checked on the host (inside a trace ``idx`` is staged into it)
+        host = np.asarray(rows).reshape(-1)
+        real = host[(host >= 0) & (host < batch_size)]
+        if np.unique(real).size != real.size:
+            values, counts = np.unique(real, return_counts=True)
+            raise ValueError(
+                f"{who}: rows {values[counts > 1].tolist()} appear more than once in {host.tolist()}; name each row "
+                f"once (pad with {batch_size} or more: padding rows hold nothing)."
+            )
+        return idx
+    n = idx.shape[0]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    repeat = jnp.any((idx[:, None] == idx[None, :]) & earlier, axis=1)
+    return jnp.where(repeat, jnp.int32(batch_size), idx)
+
+
 @jax.jit
 def _write_program(store, write_layer, keys, values, old, count, all_lengths):
     return store._write(write_layer, keys, values, old, count, all_lengths)
@@ -527,9 +548,11 @@ class PagedCache(KVCache):
         between, use only the sub-cache (its pool and counts are the live ones). Entries
         ``>= batch_size`` are padding: empty rows (no pages, length 0) that must write
         nothing (``num_new`` 0); merging drops them. A serving loop steps only its busy rows
-        this way.
+        this way. A row named twice is an error eagerly; under ``jax.jit`` its later entries
+        are padding (two entries holding one row's pages would let a step write in place
+        into a page a row outside the sub-cache reads).
         """
-        idx = _rows_or(rows, self.batch_size, self.batch_size)  # 2**32 + 1 is padding, never row 1
+        idx = _distinct_rows(rows, self.batch_size, "PagedCache.take_rows")
         safe = jnp.clip(idx, 0, self.batch_size - 1)
         pad = idx >= self.batch_size
         store = self.stores[0]
@@ -545,7 +568,7 @@ class PagedCache(KVCache):
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
         block tables, lengths and flags at ``rows`` (padding entries dropped)."""
-        idx = _rows_or(rows, self.batch_size, self.batch_size)
+        idx = _distinct_rows(rows, self.batch_size, "PagedCache.merge_rows")
         mine, theirs = self.stores[0], sub.stores[0]
         store = dataclasses.replace(theirs, block_table=mine.block_table.at[idx].set(theirs.block_table, mode="drop"))
         return dataclasses.replace(
@@ -558,6 +581,10 @@ class PagedCache(KVCache):
         full pages in position order, ``-1`` padding at the end): ``num_tokens`` tokens in
         every layer, sharing the pages (no copy). The prefill of a request whose prompt
         starts with a cached prefix then writes only the rest.
+
+        Under ``jax.jit`` the same conditions are checked on the device: a call that breaks
+        one attaches and pins nothing and flags the row ``INVALID`` (when the row itself is
+        in range).
 
         Raises:
           ValueError: (eagerly) the row is not empty, ``num_tokens`` is not
@@ -585,17 +612,30 @@ class PagedCache(KVCache):
                 raise ValueError(f"{who}: page ids {host_pages.tolist()} include one outside [0, {store.num_pages}).")
             if used.size and (np.asarray(store.refcount)[used] <= 0).any():
                 raise ValueError(f"{who}: pages {used.tolist()} include a free page; retain cached pages first.")
-        # Traced: a value outside its range (tested in its own dtype) attaches and pins nothing.
+        # Traced, the same checks as above: a call that fails one attaches and pins nothing,
+        # and an in-range row is flagged INVALID (a count beyond the pages' tokens would
+        # otherwise read the missing pages as page 0). Tested in each value's own dtype.
+        bad_id = jnp.any((pages < -1) | (pages >= store.num_pages))
         row = _rows_or(row, self.batch_size, self.batch_size)
+        in_range = row < self.batch_size
         num_tokens = _rows_or(num_tokens, store.max_pages * store.page_size + 1, -1)
-        ok = (row < self.batch_size) & (num_tokens >= 0)
+        pages = _rows_or(pages, store.num_pages, -1)
+        used = pages >= 0
+        safe_row = jnp.minimum(row, self.batch_size - 1)
+        empty = ~jnp.any(self.lengths[:, safe_row] != 0) & ~jnp.any(store.block_table[safe_row] >= 0)
+        held = jnp.all(jnp.where(used, store.refcount[jnp.maximum(pages, 0)] > 0, True))
+        count_ok = num_tokens == jnp.sum(used, dtype=jnp.int32) * store.page_size
+        ok = in_range & empty & held & count_ok & ~bad_id
+        flags = self.flags.at[row].set(
+            jnp.where(ok, self.flags[safe_row], self.flags[safe_row] | INVALID), mode="drop"
+        )
         row = jnp.where(ok, row, self.batch_size)
-        pages = jnp.where(ok, _rows_or(pages, store.num_pages, -1), -1)
+        pages = jnp.where(ok, pages, -1)
         entries = jnp.full((store.max_pages,), NO_PAGE, jnp.int32).at[: pages.shape[0]].set(pages)
         table = store.block_table.at[row].set(entries, mode="drop")
         store = dataclasses.replace(store, block_table=table).pinned(pages, 1)
         lengths = self.lengths.at[:, row].set(num_tokens, mode="drop")
-        return dataclasses.replace(self, stores=(store,), lengths=lengths)._constrained()
+        return dataclasses.replace(self, stores=(store,), lengths=lengths, flags=flags)._constrained()
 
     def _pinned(self, pages: Any, delta: int, who: str) -> PagedCache:
         traced = _is_traced(pages)
