@@ -325,10 +325,15 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             out.flush()
     elapsed = time.perf_counter() - start if start is not None else 0.0
     decode_tokens = step - _TOKENS_PER_CALL
-    rate = decode_tokens / elapsed if decode_tokens > 0 and elapsed > 0 else float("nan")
+    # The first two calls include compiling: a run that ends within them has no decode rate
+    # to show (it printed "nan tokens/s" before, which read as a failure).
+    if decode_tokens > 0 and elapsed > 0:
+        rate = f"{decode_tokens / elapsed:.1f} tokens/s (decode)"
+    else:
+        rate = f"decode rate not measured (over {_TOKENS_PER_CALL} new tokens needed)"
     out.write("\n")
     out.write(
-        f"[jaxkv] prompt {len(ids)} tokens | new {generated} tokens | {rate:.1f} tokens/s (decode) | "
+        f"[jaxkv] prompt {len(ids)} tokens | new {generated} tokens | {rate} | "
         f"cache {_human_bytes(cache_bytes)} ({type(cache).__name__}) | model {os.path.basename(os.path.normpath(path))}\n"
     )
     out.flush()

@@ -172,3 +172,16 @@ def test_stream_iterated_again_starts_over_from_the_prompt(model):
     # Two live iterations do not share a cache either.
     a, b = iter(s), iter(s)
     np.testing.assert_array_equal(np.stack([next(a), next(a), next(b), next(b)]), np.stack([once[:, 0], once[:, 1]] * 2))
+
+
+def test_check_inside_jit_and_to_dynamic_of_ragged_rows_say_what_to_do():
+    from jaxkv import StaticCache
+
+    cache = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=4)
+    with pytest.raises(TypeError, match=r"StaticCache.check\(\) reads the flags on the host.*call check\(\) on the result"):
+        jax.jit(lambda c: c.check())(cache)
+    cache, _, _ = cache.update(jnp.ones((2, 1, 3, 4)), jnp.ones((2, 1, 3, 4)), 0, num_new=jnp.array([3, 1]))
+    with pytest.raises(ValueError, match=r"^StaticCache.to_dynamic: layer 0 holds different lengths per row \[3, 1\]"):
+        cache.to_dynamic()
+    with pytest.raises(ValueError, match=r"^StaticCache.to_legacy_cache: layer 0"):
+        cache.to_legacy_cache()

@@ -258,7 +258,19 @@ class KVCache:
         return self.view(layer_idx).slot_positions()
 
     def check(self) -> KVCache:
-        """Raises ``CacheError`` on the host if any flag is set; returns ``self`` otherwise."""
+        """Raises ``CacheError`` on the host if any flag is set; returns ``self`` otherwise.
+
+        Raises:
+          CacheError: a flag is set.
+          TypeError: called inside ``jax.jit`` (or another trace), where the flags are not
+            known yet: return ``cache.flags`` (or ``cache.overflowed``) and check after.
+        """
+        if _is_traced(self.flags):
+            raise TypeError(
+                f"{self._name}.check() reads the flags on the host, but it was called inside jax.jit (or "
+                "another trace), where they are not known yet. Return the cache (or cache.flags / "
+                "cache.overflowed) from the jitted function and call check() on the result."
+            )
         cap = self.get_max_length()
         _raise_on_flags(
             self.flags,

@@ -199,13 +199,16 @@ class StaticCache(KVCache):
           ValueError: rows of one layer hold different lengths (a dynamic cache has one
             length per layer); select rows with ``batch_select_indices`` first.
         """
-        return DynamicCache(self.to_legacy_cache())
+        return DynamicCache(self._legacy("StaticCache.to_dynamic"))
 
     def to_legacy_cache(self) -> tuple[tuple[Array, Array], ...]:
         """The valid part ``((k0, v0), ...)``, each ``[B, H, n_l, D]``; rows must agree."""
+        return self._legacy("StaticCache.to_legacy_cache")
+
+    def _legacy(self, who: str) -> tuple[tuple[Array, Array], ...]:
         if _is_traced(self.lengths):
             raise TypeError(
-                "StaticCache.to_legacy_cache needs concrete lengths (its output shapes depend "
+                f"{who} needs concrete lengths (its output shapes depend "
                 "on them); call it outside jax.jit."
             )
         lengths = np.asarray(self.lengths)
@@ -214,7 +217,7 @@ class StaticCache(KVCache):
             row_lengths = lengths[i]
             if (row_lengths != row_lengths[0]).any():
                 raise ValueError(
-                    f"StaticCache.to_legacy_cache: layer {i} holds different lengths per row "
+                    f"{who}: layer {i} holds different lengths per row "
                     f"{row_lengths.tolist()}; a dynamic cache needs one length per layer. Export "
                     "rows separately with batch_select_indices([row])."
                 )
