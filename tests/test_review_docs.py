@@ -53,9 +53,10 @@ def test_attach_prefix_refuses_a_wide_row_or_count_instead_of_wrapping():
 def test_take_and_merge_rows_treat_a_wide_row_as_padding():
     cache = _cache()
     lengths = np.asarray(cache.seq_lengths(0)).tolist()  # [3, 1, 2]
-    # Padding (>= batch) reads the last row: the wide index is padding, not row 1.
+    # Padding (>= batch) is an empty row (no pages, length 0): the wide index is padding, not row 1.
     sub = cache.take_rows(np.array([0, WIDE + 1], np.int64))
-    assert np.asarray(sub.seq_lengths(0)).tolist() == [lengths[0], lengths[2]]
+    assert lengths[1] != 0 and np.asarray(sub.seq_lengths(0)).tolist() == [lengths[0], 0]
+    assert (np.asarray(sub.block_table)[1] == -1).all()
     # Merging drops padding entries: row 1 must keep its own state.
     sub = cache.take_rows(np.array([0, 2]))
     merged = cache.merge_rows(np.array([0, WIDE + 1], np.int64), sub)
