@@ -115,6 +115,10 @@ def built(compiler: str | None = None) -> Path | None:
       RuntimeError: no C++ compiler.
     """
     _, name, candidates = _plan(compiler)
+    return _existing(name, candidates)
+
+
+def _existing(name: str, candidates: list[Path]) -> Path | None:
     return next((d / name for d in candidates if (d / name).exists()), None)
 
 
@@ -136,9 +140,8 @@ def build(compiler: str | None = None) -> Path:
       RuntimeError: no C++ compiler, or the compiler failed (its message included).
     """
     compiler, name, candidates = _plan(compiler)
-    for directory in candidates:
-        if (directory / name).exists():
-            return directory / name
+    if (found := _existing(name, candidates)) is not None:
+        return found
     out = _writable(candidates) / name
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
@@ -171,7 +174,7 @@ def start_background_build() -> bool:
             return False
         try:
             compiler, name, candidates = _plan()
-            if any((d / name).exists() for d in candidates):
+            if _existing(name, candidates) is not None:
                 return False
             directory = _writable(candidates)
         except (RuntimeError, OSError):
@@ -196,7 +199,6 @@ def start_background_build() -> bool:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )
         _state["ok"] = False  # this process: the XLA loop, without a warning
-        _state["building"] = True
         return True
 
 

@@ -394,9 +394,8 @@ def _distinct_rows(rows: Any, batch_size: int, who: str) -> Array:
     idx = _rows_or(rows, batch_size, batch_size)  # 2**32 + 1 is padding, never row 1
     if not _is_traced(rows):  # checked on the host (inside a trace ``idx`` is staged into it)
         host = np.asarray(rows).reshape(-1)
-        real = host[(host >= 0) & (host < batch_size)]
-        if np.unique(real).size != real.size:
-            values, counts = np.unique(real, return_counts=True)
+        values, counts = np.unique(host[(host >= 0) & (host < batch_size)], return_counts=True)
+        if (counts > 1).any():
             raise ValueError(
                 f"{who}: rows {values[counts > 1].tolist()} appear more than once in {host.tolist()}; name each row "
                 f"once (pad with {batch_size} or more: padding rows hold nothing)."

@@ -100,10 +100,11 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple
     # A token holding NaN or inf gets a NaN scale (codes 0): it reads back as NaN, so attention
     # that sees it gives NaN as over a float cache (the non-finite contract of
     # jaxkv.attention.dense), where the saturation above would have stored it as a finite token.
-    scale = jnp.where(jnp.isfinite(wanted), scale, jnp.asarray(jnp.nan, scale_dtype))
+    finite = jnp.isfinite(wanted)
+    scale = jnp.where(finite, scale, jnp.asarray(jnp.nan, scale_dtype))
     s32 = scale.astype(jnp.float32)[..., None]
     q = jnp.round(x32 / jnp.where(s32 > 0, s32, jnp.float32(1.0)))  # an all-zero token: 0 / 1
-    q = jnp.where(jnp.isfinite(s32), jnp.clip(q, -qmax, qmax), 0.0).astype(jnp.int32)
+    q = jnp.where(finite[..., None], jnp.clip(q, -qmax, qmax), 0.0).astype(jnp.int32)
     if bits == 8:
         return q.astype(jnp.int8), scale
     packed = (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4)
