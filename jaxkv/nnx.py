@@ -112,6 +112,9 @@ class KVAttention(nnx.Module):
             position encoding.
         sliding_window: if set, a query sees only the last ``sliding_window`` positions
             (itself included). A call may set it instead (per layer of a stacked model).
+            When neither sets one, a ring cache layer (``SlidingWindowCache``) applies
+            its own window: it holds no older token. A model that knows which of its
+            layers are full should refuse a ring there (``Llama`` does).
         logit_softcap: optional soft-capping of attention logits.
         param_dtype: dtype of the projection weights.
         rngs: initialisation randomness.

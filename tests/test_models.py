@@ -350,3 +350,43 @@ def test_logits_at_returns_the_chosen_token_per_row():
     np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full[jnp.arange(3), jnp.array([5, 1, 3])]),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache.seq_lengths(0), [6, 2, 4])
+
+
+def test_a_ring_cache_under_a_full_attention_layer_is_an_error():
+    """A SlidingWindowCache keeps only its window; a full-attention layer reading it would
+    attend to the window alone and drift from the model once a row outgrows it, unflagged.
+    It used to run (max logit error 2.7 against the uncached forward at 10 tokens, window 4);
+    now the model refuses any ring that is not its layer's window, eagerly and under jit,
+    and still runs (and matches the full forward) on the ring its config asks for."""
+    from jaxkv import HybridCache, SlidingWindowCache
+    from jaxkv.caches import FULL, SLIDING
+
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 128, size=(1, 8)), jnp.int32)
+    full_model = make_model(seed=12)
+    cfg = full_model.config
+    sizes = dict(batch_size=1, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    ring = SlidingWindowCache.init(num_layers=cfg.num_layers, window=4, **sizes)
+    with pytest.raises(ValueError, match="layer 0 of this model attends to every token.*keeps only the last 4"):
+        full_model(tokens, ring)
+    with pytest.raises(ValueError, match="attends to every token"):
+        forward(full_model, tokens, ring)
+
+    mixed = make_model(seed=12, sliding_window=4, sliding_layers=(True, False))
+    swapped = HybridCache.init(layer_types=[FULL, SLIDING], max_length=8, window=4, **sizes)
+    with pytest.raises(ValueError, match="layer 1 of this model attends to every token.*HybridCache"):
+        mixed(tokens, swapped)
+    other_window = SlidingWindowCache.init(num_layers=cfg.num_layers, window=5, **sizes)
+    sliding = make_model(seed=12, sliding_window=4, sliding_layers=(True, True))
+    with pytest.raises(ValueError, match="layer 0 of this model has sliding_window=4.*ring of window 5"):
+        sliding(tokens, other_window)
+
+    # The ring the config asks for: cached (a prompt of 5, then 3 steps past the window)
+    # equals the uncached forward, which masks the window itself.
+    want = full_forward(sliding, tokens)
+    ring = SlidingWindowCache.init(num_layers=cfg.num_layers, window=4, **sizes)
+    got, ring = forward(sliding, tokens[:, :5], ring)
+    outs = [got]
+    for t in range(5, 8):
+        got, ring = forward(sliding, tokens[:, t : t + 1], ring)
+        outs.append(got)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(want), **TOL)

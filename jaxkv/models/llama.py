@@ -382,6 +382,37 @@ class Block(nnx.Module):
         return x, cache
 
 
+def _check_cache_windows(cache: Any, config: LlamaConfig) -> None:
+    """A cache layer that keeps only a window of tokens must serve a layer with that window.
+
+    A ring storage (SlidingWindowCache, a HybridCache's sliding layers) drops every token
+    older than its window; a full-attention layer reading it would attend to the window
+    alone, and its outputs would drift from the model's once a row outgrows the window,
+    with no error or flag. So a ring under a full layer is an error, as is a ring whose
+    window is not the layer's. (A StaticCache under a sliding layer is fine: the window
+    is applied as a mask.) Storage windows are static, so this holds under ``jax.jit``.
+    """
+    if not isinstance(cache, KVCache):
+        return
+    windows = tuple(config.sliding_window if s else None for s in config.sliding_layers)
+    for i, (want, g) in enumerate(zip(windows, cache.groups)):
+        ring = getattr(cache.stores[g], "window", None)
+        if ring is None or ring == want:
+            continue
+        kind = type(cache).__name__
+        if want is None:
+            raise ValueError(
+                f"Llama.__call__: layer {i} of this model attends to every token, but layer {i} of the "
+                f"{kind} keeps only the last {ring} (a ring buffer); its outputs would silently differ "
+                "from the model's once a row holds more tokens. Build the cache with "
+                "model.init_cache(batch_size, max_length) (kind='hybrid' rings only the config's sliding layers)"
+            )
+        raise ValueError(
+            f"Llama.__call__: layer {i} of this model has sliding_window={want}, but layer {i} of the {kind} "
+            f"is a ring of window {ring}; build the cache with model.init_cache(batch_size, max_length, kind='hybrid')"
+        )
+
+
 def layer_plan(kinds: tuple[Any, ...]) -> tuple[tuple[int, int, int], ...]:
     """How :class:`Llama` runs its layers: ``(start, unit, repeats)`` segments.
 
@@ -620,7 +651,9 @@ class Llama(nnx.Module):
             padding tokens are meaningless.
 
         Raises:
-            ValueError: tokens not [B, T]; a cache shaped for another model; a concrete
+            ValueError: tokens not [B, T]; a cache shaped for another model; a cache with a
+                ring (sliding-window) layer where the model's layer is full or has another
+                window; a concrete
                 (not traced) token id outside ``[0, V)``, padding included.
         """
         if tokens.ndim != 2:
@@ -637,6 +670,7 @@ class Llama(nnx.Module):
                     f"cache has (layers, kv_heads, head_dim, batch) = {got}, the model needs {want}; "
                     "create it with model.init_cache(batch_size, max_length)"
                 )
+            _check_cache_windows(cache, self.config)
         batch, num_tokens = tokens.shape
         positions = token_positions(cache, batch, num_tokens)
 
