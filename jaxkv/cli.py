@@ -291,8 +291,6 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             print("[jaxkv] the CPU attention kernel is being built in the background (once per machine, "
                   "about a minute); this run uses the slower XLA path", file=sys.stderr)
 
-    out.write(args.prompt)
-    out.flush()
     generated = 0
     detokenizer = Detokenizer(loaded.tokenizer)
     start = None
@@ -307,6 +305,10 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         eos_token_id=list(eos) or None,
         tokens_per_call=_TOKENS_PER_CALL,
     )
+    # Echoed only now: the prompt cache's stderr line (and any error) comes before the
+    # text, not in the middle of its first line on a terminal showing both streams.
+    out.write(args.prompt)
+    out.flush()
     for step, tokens in enumerate(tokens_stream):
         if step == 0:
             cache = tokens_stream.cache

@@ -5,6 +5,7 @@ must give back every leaf bit for bit, whatever the values mean.
 """
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -378,10 +379,34 @@ def test_cli_prompt_cache_gives_the_same_text_as_a_fresh_prompt(tmp_path, capsys
     text, err = generate(longer, "--prompt-cache", str(path))
     assert text == generate(longer)[0] and restored(err)[0] == n  # the saved prompt as a prefix
 
+    # stdout and stderr in the order they were written: the prompt cache's line first, then
+    # the prompt and its continuation (it used to land after the prompt, mid-line).
+    events = []
+
+    class Recorder(io.StringIO):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def write(self, text):
+            events.append((self.name, text))
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Recorder("out"))
+    monkeypatch.setattr(sys, "stderr", Recorder("err"))
+    assert main(["generate", prompt, "--max-new-tokens", "2", "--prompt-cache", str(path)]) == 0
+    line = next(i for i, (name, text) in enumerate(events) if "prompt tokens restored" in text)
+    assert events[line][0] == "err" and not any(name == "out" and text for name, text in events[:line])
+    assert "".join(text for name, text in events if name == "out").startswith(prompt)
+    monkeypatch.undo()
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+
     save_sequence(path, with_rows(make("static"), [2, 2]), 0, model_fingerprint="other", token_ids=[1, 2])
     assert main(["generate", prompt, "--prompt-cache", str(path)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxkv: error:") and "saved for another model" in err[0]
+    assert captured.out == ""  # a refused file: no half-started output before the error
 
 
 # --------------------------------------------------------------------------- sharded (8 devices)
