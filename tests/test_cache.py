@@ -446,6 +446,30 @@ def test_traced_out_of_range_put_rows_drops_the_row_and_flags_every_row():
     assert not np.asarray(good.flags).any()
 
 
+def test_put_rows_mask_skips_unused_entries_without_flagging():
+    """The unused entries of a fixed-size batch (a serving loop's padding) are skipped by the
+    mask: whatever row they name, nothing is written, raised or flagged; the real entries
+    are written as without a mask. An unmasked bad row still flags every row."""
+    big = filled_static()  # rows hold 5 and 3 tokens
+    small = empty_static(batch_size=2).update(*states(2, batch=2), 0)[0]
+    want = big.put_rows(jnp.array([1, 0]), small).batch_select_indices(jnp.array([1]))
+    put = jax.jit(lambda c, r, m: c.put_rows(r, small, mask=m))
+    for call in (put, lambda c, r, m: c.put_rows(r, small, mask=m)):  # jit, then eager
+        for padding in (B, -1, 2**31 - 1, 0):
+            out = call(big, jnp.array([1, padding]), jnp.array([True, False]))
+            assert not np.asarray(out.flags).any(), padding
+            np.testing.assert_array_equal(out.lengths[:, 0], big.lengths[:, 0])  # row 0 untouched
+            chex.assert_trees_all_equal(out.batch_select_indices(jnp.array([0])).stores,
+                                        big.batch_select_indices(jnp.array([0])).stores)
+            chex.assert_trees_all_equal(out.batch_select_indices(jnp.array([1])), want)
+    out = put(big, jnp.array([B, 1]), jnp.array([True, True]))  # an unmasked bad row: as before
+    assert ((np.asarray(out.flags) & INVALID) != 0).all()
+    with pytest.raises(TypeError, match=r"mask must be a bool array of shape \[2\]"):
+        big.put_rows(jnp.array([1, 0]), small, mask=jnp.array([1, 0]))
+    with pytest.raises(ValueError, match="row index 2"):
+        big.put_rows(jnp.array([1, B]), small, mask=jnp.array([True, True]))
+
+
 def test_shape_errors_are_raised_at_trace_time_under_jit():
     cache = empty_static()
     k, v = states(2)

@@ -62,7 +62,9 @@ def test_beam_search_of_one_beam_is_greedy(model, reference, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_serving_loop(model, reference, kind):
-    loop = ServingLoop(model, num_slots=2, max_length=16, chunk_size=4, cache_kind=kind)
+    # 3 slots, 2 prefill rows: the second chunk of the first prompt is prefilled alone, next
+    # to an unused entry, which must leave every row unflagged (run() raises on a flag).
+    loop = ServingLoop(model, num_slots=3, max_length=16, chunk_size=4, prefill_rows=2, cache_kind=kind)
     done = loop.run([Request(prompt=tuple(p), max_new_tokens=N) for p in PROMPTS])
     for row, completion in enumerate(done):  # completions come back in request order
         np.testing.assert_array_equal(completion.tokens, reference[row])

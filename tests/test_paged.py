@@ -208,6 +208,14 @@ def test_put_rows_copies_pages_into_fresh_ones():
     np.testing.assert_array_equal(out.refcount, big.refcount)
     np.testing.assert_array_equal(out.seq_lengths(0), big.seq_lengths(0))
     assert ((np.asarray(out.flags) & INVALID) != 0).all()
+    # A masked entry (a fixed-size batch's padding) takes no page and flags nothing, eagerly
+    # (where an out-of-range row would raise) and under jit.
+    for call in (lambda c, r, m: c.put_rows(r, small, mask=m), jax.jit(lambda c, r, m: c.put_rows(r, small, mask=m))):
+        out = call(big, jnp.array([3, 1]), jnp.array([False, True]))
+        assert_accounting(out)
+        assert not np.asarray(out.flags).any()
+        np.testing.assert_array_equal(out.seq_lengths(0), [5, 6, 5])
+        attention_matches(out.batch_select_indices(jnp.array([1])), [list(host[1].transpose(1, 0, 2))])
     # Rows of a pool of other heads or head_dim are refused (the pool is free to be smaller).
     for other, axis in ((dict(num_kv_heads=1), r"heads 1 \(this cache 2\)"), (dict(head_dim=2 * D), rf"packed {2 * D} ")):
         args = dict(num_layers=L, batch_size=1, num_kv_heads=H, head_dim=D, max_length=16, page_size=PS) | other

@@ -473,16 +473,24 @@ class KVCache:
         n = self.batch_size * r
         return self._map_rows(lambda x, axis: jnp.repeat(x, r, axis=axis, total_repeat_length=n))._constrained()
 
-    def put_rows(self, rows: Any, other: KVCache) -> KVCache:
+    def put_rows(self, rows: Any, other: KVCache, *, mask: Any = None) -> KVCache:
         """Writes the rows of ``other`` (batch N) into rows ``rows`` (int[N]) of this cache.
 
         The serving loop's admission: prefill new requests in a small cache, then place
         them. ``other`` must be the same kind with the same layer layout and sizes.
 
+        Args:
+          rows: int[N], the row of this cache each row of ``other`` goes to.
+          other: the rows to write.
+          mask: optional bool[N]: entries where it is False are skipped, neither written nor
+            checked nor flagged (the unused entries of a fixed-size batch under jit, whose
+            ``rows`` may hold anything).
+
         Raises:
           ValueError / TypeError: another structure or sizes (only the batch may differ),
-            or an out-of-range row (eagerly). Under jit an out-of-range row is dropped and
-            every row of the result is flagged ``INVALID`` (``check()`` raises).
+            a mask not bool[N], or an out-of-range row (eagerly). Under jit an out-of-range
+            row that is not masked is dropped and every row of the result is flagged
+            ``INVALID`` (``check()`` raises).
         """
         who = f"{self._name}.put_rows"
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
@@ -491,6 +499,18 @@ class KVCache:
                 f"{other.num_layers} layers; this one: {self._name} of {self.num_layers}). Prefill the rows in "
                 "a cache made with the same init arguments except batch_size."
             )
+        keep = None
+        if mask is not None:
+            keep = mask if _is_traced(mask) else np.asarray(mask)
+            if keep.shape != (other.batch_size,) or keep.dtype != np.bool_:
+                raise TypeError(
+                    f"{who}: mask must be a bool array of shape [{other.batch_size}] (one entry per row of the "
+                    f"other cache), got shape {tuple(keep.shape)} and dtype {keep.dtype}."
+                )
+            if not _is_traced(rows) and not _is_traced(keep):
+                rows = np.where(keep, np.asarray(rows), 0)  # a skipped entry's row is never read
+            else:
+                rows = jnp.where(keep, rows, 0)
         idx = _check_row_indices(rows, self.batch_size, who)
         if idx.shape[0] != other.batch_size:
             raise ValueError(f"{who}: {idx.shape[0]} rows given for a cache of {other.batch_size} rows.")
@@ -501,6 +521,8 @@ class KVCache:
         if _is_traced(idx):
             bad = (idx < 0) | (idx >= self.batch_size)
             idx, bad_row = jnp.where(bad, self.batch_size, idx), jnp.any(bad)
+        if keep is not None:  # skipped entries: dropped like an out-of-range row, unflagged
+            idx = jnp.where(keep, idx, self.batch_size)
 
         def put(x, part, axis):
             return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")

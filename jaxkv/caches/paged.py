@@ -341,8 +341,10 @@ class PagedStorage:
         fits = _admit(jnp.sum(need, axis=1, dtype=jnp.int32), jnp.sum(free, dtype=jnp.int32))
         # A dropped (out-of-range, traced) row takes no page: its pages would be held by no row.
         fits = fits & (idx < self.block_table.shape[0])
-        if not _is_traced(fits) and not bool(np.all(np.asarray(fits))):
-            row = int(np.argmax(~np.asarray(fits)))
+        # (Skipped entries of a masked put_rows come as idx == B: they raise nothing.)
+        short = None if _is_traced(fits) else ~np.asarray(fits) & (np.asarray(idx) < self.block_table.shape[0])
+        if short is not None and short.any():
+            row = int(np.argmax(short))
             raise ValueError(
                 f"PagedCache.put_rows: out of pages: row {int(np.asarray(idx)[row])} needs "
                 f"{int(np.sum(np.asarray(need)[row]))} page(s), the pool has {int(np.sum(np.asarray(free)))} free "

@@ -99,8 +99,9 @@ class _Slot:
 
 
 def _put_rows(cache: Any, rows: jax.Array, part: Any) -> Any:
-    """Writes ``part``'s rows into ``cache`` at ``rows`` (int32[R]); out-of-range rows are dropped."""
-    return cache.put_rows(rows, part)
+    """Writes ``part``'s rows into ``cache`` at ``rows`` (int32[R]); entries ``>= S`` are the
+    batch's unused entries: skipped, not flagged (an out-of-range row would flag every row)."""
+    return cache.put_rows(rows, part, mask=rows < cache.batch_size)
 
 
 def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, reset):
@@ -191,6 +192,14 @@ class ServingLoop:
         """How many times each program was traced (compiled): ``{"prefill": n, "decode": m}``."""
         return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
 
+    def _fetch(self, tokens: jax.Array) -> np.ndarray:
+        """The call's tokens on the host, with the cache's flags in the same transfer: a
+        flagged row (a write the cache refused) raises ``CacheError`` instead of decoding on."""
+        tokens, flags = jax.device_get((tokens, self._cache.flags))
+        if np.any(flags):
+            self._cache.check()
+        return np.asarray(tokens)
+
     def _check(self, request: Request, index: int, who: str) -> None:
         check_request(request.prompt, request.max_new_tokens, request.arrival, self.max_length, self._vocab_size,
                       who, index, f"request {request.id!r}")
@@ -205,6 +214,9 @@ class ServingLoop:
         Raises:
             ValueError: an empty prompt, a prompt token id outside ``[0, V)``,
                 ``max_new_tokens < 1``, or a request that does not fit ``max_length``.
+            jaxkv.CacheError: a cache row got flagged (checked after every device call;
+                the requests are checked up front, so this means a bug, never a
+                request's fault).
         """
         who = "ServingLoop.run"
         for index, request in enumerate(requests):
@@ -270,7 +282,7 @@ class ServingLoop:
                     slot.fresh = False
                 tick = time.perf_counter()
                 first, self._cache = self._prefill(self._state, self._cache, rows, tokens, num_new, reset)
-                first = np.asarray(first)
+                first = self._fetch(first)
                 prefill_s += time.perf_counter() - tick
                 prefill_calls += 1
                 for row, j in place.items():
@@ -287,7 +299,7 @@ class ServingLoop:
                     active[row] = True
                 tick = time.perf_counter()
                 nxt, self._cache = self._decode(self._state, self._cache, tokens, active)
-                nxt = np.asarray(nxt)
+                nxt = self._fetch(nxt)
                 decode_s += time.perf_counter() - tick
                 decode_calls += 1
                 for row in decoding:
