@@ -54,7 +54,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.caches._checks import INVALID
+from jaxkv.caches._checks import INVALID, OUT_OF_PAGES
 from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings, memory_place, place_sharding
 from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 
@@ -721,6 +721,10 @@ def save_sequence(
         raise ValueError(f"{who}: token_ids has {ids.shape[0]} ids, row {row} holds {n} tokens.")
     one = _strip_sharding(_select_row(cache, jnp.int32(row)))
     one = _resize_seq(jax.tree.map(lambda x: _host(x, path), one), lambda store: n)
+    # A paged row: its own pages only, not the pool the rows share (other rows' tokens).
+    one = dataclasses.replace(one, stores=tuple(
+        s.one_row_filled(n) if hasattr(s, "one_row_filled") else s for s in one.stores
+    ))
     header = {"format": _SEQUENCE, "model_fingerprint": str(model_fingerprint), "dtype": jnp.dtype(cache.dtype).name,
               "num_tokens": n}
     _write_safetensors(path, one, header, {_TOKEN_IDS: ids.astype(np.int32)})
@@ -764,6 +768,8 @@ def load_sequence(
     Raises:
       CacheFileError: missing, truncated or corrupt file; another model, dtype, kind or
         layout; with ``strict``, diverging token ids.
+      ValueError: a paged cache whose pool has too few free pages for the ``k`` tokens
+        (the cache passed in is unchanged).
     """
     who = "load_sequence"
     path = os.fspath(path)
@@ -804,7 +810,17 @@ def load_sequence(
         k = 0 if bool(lost) else k
     if k == 0:
         return _empty_row(cache, jnp.int32(row)), 0
-    return _put_row(cache, one, jnp.int32(row)), k
+    out = _put_row(cache, one, jnp.int32(row))
+    # The put runs jitted, where a paged pool without room for the row's pages drops it and
+    # flags the row instead of raising: reported here, never as k restored tokens.
+    if int(np.asarray(out.flags)[row]) & OUT_OF_PAGES:
+        free = getattr(cache, "free_pages", None)
+        raise ValueError(
+            f"{who}: the page pool has too few free pages for the {k} restored tokens of row {row}"
+            + ("" if free is None else f" (free now: {int(free)})")
+            + "; the cache is unchanged. Free rows first or allocate a larger num_pages."
+        )
+    return out, k
 
 
 def _seq_size(store: Any) -> int | None:

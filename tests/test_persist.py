@@ -266,6 +266,20 @@ def test_paged_sequence_round_trip(tmp_path):
     cache = dataclasses.replace(with_rows(cache, [2, 6]), stores=(store,))
     path = tmp_path / "paged.safetensors"
     save_sequence(path, cache, 1, model_fingerprint="m", token_ids=range(6))
+    # The file holds the row's own filled part: its 2 pages (not the pool of 8, which holds
+    # row 0's tokens), and zeros in slots 6, 7 past its length (a fork's tokens could lie there).
+    from safetensors.numpy import load_file
+
+    saved = {name: a for name, a in load_file(path).items() if name.endswith((".keys", ".values"))}
+    assert sorted(a.shape for a in saved.values()) == [(2, 2, 2, 4, 8)] * 2, {n: a.shape for n, a in saved.items()}
+    filled = {}
+    for field in ("keys", "values"):
+        pool = np.asarray(getattr(store, field))
+        filled[field] = np.concatenate([pool[:, 5], pool[:, 1, :, :2]], axis=2)  # [L, H, 6, D]: tokens 0..5
+        (stored,) = [a for n, a in saved.items() if n.endswith("." + field)]
+        np.testing.assert_array_equal(bits(np.concatenate([stored[:, 0], stored[:, 1, :, :2]], axis=2)),
+                                      bits(filled[field]))
+        assert not stored[:, 1, :, 2:].any()  # slots 6, 7
     target = make("paged", batch_size=3, max_length=16)
     out, k = load_sequence(path, target, 2, model_fingerprint="m", token_ids=range(8))
     assert k == 6 and out.lengths[:, 2].tolist() == [6, 6]
@@ -273,8 +287,9 @@ def test_paged_sequence_round_trip(tmp_path):
     pages = np.asarray(new.block_table)[2, :2]
     assert (pages >= 0).all() and np.asarray(new.refcount)[pages].tolist() == [1, 1]
     for field in ("keys", "values"):
-        want = np.asarray(getattr(store, field))[:, [5, 1]]
-        np.testing.assert_array_equal(bits(np.asarray(getattr(new, field))[:, pages]), bits(want))
+        got = np.asarray(getattr(new, field))[:, pages]  # [L, 2, H, 4, D]
+        got = np.concatenate([got[:, 0], got[:, 1, :, :2]], axis=2)
+        np.testing.assert_array_equal(bits(got), bits(filled[field]))
     # Into caches of other capacities (block tables of 8 and 2 pages per row): the row's pages
     # are the same; into 8 tokens (2 pages) the 6 fit; page size or heads of another value
     # are a CacheFileError naming the axis.
@@ -286,12 +301,38 @@ def test_paged_sequence_round_trip(tmp_path):
         assert table.shape == (max_length // 4,) and (table[:2] >= 0).all() and (table[2:] == -1).all()
         for field in ("keys", "values"):
             got = np.asarray(getattr(other.stores[0], field))[:, table[:2]]
-            np.testing.assert_array_equal(bits(got), bits(np.asarray(getattr(store, field))[:, [5, 1]]))
+            got = np.concatenate([got[:, 0], got[:, 1, :, :2]], axis=2)
+            np.testing.assert_array_equal(bits(got), bits(filled[field]))
     from jaxkv.caches.paged import PagedCache
 
     pages8 = PagedCache.init(num_layers=2, max_length=16, page_size=8, **dict(SIZES, batch_size=1))
     with pytest.raises(CacheFileError, match=r"stores\[0\]\.keys is .*: page differ"):
         load_sequence(path, pages8, 0, model_fingerprint="m", token_ids=range(6))
+
+
+def test_paged_sequence_into_a_pool_without_room_is_an_error(tmp_path):
+    """The restore runs jitted, where a pool without free pages drops the row and flags it;
+    load_sequence used to return k = 8 for a row left empty. Now a ValueError, and the
+    cache passed in is unchanged (and still usable)."""
+    from jaxkv.caches.paged import PagedCache
+
+    kw = dict(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4)
+    src = PagedCache.init(batch_size=1, max_length=16, **kw)
+    k = jnp.arange(32, dtype=jnp.float32).reshape(1, 1, 8, 4)
+    src = src.update(k, k, 0)[0]  # 8 tokens: 2 pages
+    path = tmp_path / "row.safetensors"
+    save_sequence(path, src, 0, model_fingerprint="m", token_ids=range(8))
+    full = jnp.ones((2, 1, 16, 4))
+    target = PagedCache.init(batch_size=2, max_length=16, num_pages=5, **kw)
+    target = target.update(full, full, 0, num_new=jnp.array([16, 0]))[0]  # 1 page left free
+    with pytest.raises(ValueError, match="too few free pages for the 8 restored tokens of row 1 .free now: 1."):
+        load_sequence(path, target, 1, model_fingerprint="m", token_ids=range(8))
+    target.check()
+    assert target.lengths[0].tolist() == [16, 0] and int(target.free_pages) == 1
+    roomy = PagedCache.init(batch_size=2, max_length=16, num_pages=6, **kw).update(full, full, 0, num_new=jnp.array([16, 0]))[0]
+    out, n = load_sequence(path, roomy, 1, model_fingerprint="m", token_ids=range(8))
+    assert n == 8 and out.lengths[0].tolist() == [16, 8]
+    out.check()
 
 
 def test_sequence_errors(tmp_path):

@@ -367,6 +367,33 @@ class PagedStorage:
         refcount = base.refcount.at[fresh].add(1, mode="drop")
         return dataclasses.replace(base, **pools, block_table=table, refcount=refcount), stored | later
 
+    def one_row_filled(self, num_tokens: int) -> PagedStorage:
+        """A one-row storage (host or concrete arrays) cut to the row's own filled part: a
+        pool of just the pages holding its first ``num_tokens`` tokens, renumbered 0, 1, ..
+        in block order, with the slots past ``num_tokens`` zeroed (a page shared with a
+        fork may hold the other row's tokens there). What ``save_sequence`` writes: the
+        rest of the pool is other rows' data, and its size is the pool's, not the row's."""
+        table = np.asarray(self.block_table)
+        if table.shape[0] != 1:
+            raise ValueError(f"PagedStorage.one_row_filled: expected one row, got {table.shape[0]}")
+        ps = self.page_size
+        used = -(-int(num_tokens) // ps)
+        pages = table[0, :used]
+        if used > self.max_pages or (pages < 0).any() or (pages >= self.num_pages).any():
+            raise ValueError(
+                f"PagedStorage.one_row_filled: the row's block table {table[0].tolist()} does not hold "
+                f"{num_tokens} tokens in pages of {ps}"
+            )
+        filled = (np.arange(used * ps) < num_tokens).reshape(used, 1, ps)  # [used, 1 (heads), ps]
+        pools = {}
+        for f in _POOL_FIELDS:
+            x = np.asarray(getattr(self, f))[:, pages]  # [L, used, H, ps, ...]
+            keep = filled.reshape(filled.shape + (1,) * (x.ndim - 4))
+            pools[f] = np.where(keep, x, np.zeros((), x.dtype)) if x.size else x
+        new_table = np.full(table.shape, NO_PAGE, np.int32)
+        new_table[0, :used] = np.arange(used, dtype=np.int32)
+        return dataclasses.replace(self, **pools, block_table=new_table, refcount=np.ones((used,), np.int32))
+
     # ---- pages held outside the rows (a prefix index)
 
     def pinned(self, pages: Array, delta: int) -> PagedStorage:
