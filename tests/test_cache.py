@@ -314,6 +314,11 @@ def test_jit_overflow_drops_writes_keeps_last_slot_and_sets_flag():
     np.testing.assert_array_equal(keys3[1], keys[1])  # a full row is left exactly as it was
     with pytest.raises(CacheError, match=r"rows \[0, 1\] overflowed max_length=4"):
         again.check()
+    # The HF-style exports have no flags to carry the overflow: they refuse, or a round trip
+    # through a DynamicCache would pass check() with the dropped tokens forgotten.
+    for export in (again.to_dynamic, again.to_legacy_cache):
+        with pytest.raises(CacheError, match=r"StaticCache\.to_(dynamic|legacy_cache): .*overflowed.*no flags"):
+            export()
     assert again.reset().check() is not None
 
 

@@ -370,6 +370,12 @@ def test_a_ring_cache_under_a_full_attention_layer_is_an_error():
         full_model(tokens, ring)
     with pytest.raises(ValueError, match="attends to every token"):
         forward(full_model, tokens, ring)
+    from jaxkv import EncoderDecoderCache
+    from jaxkv.caches.encdec import CrossAttentionCache
+
+    cross = CrossAttentionCache.from_layers([(jnp.zeros((1, cfg.num_kv_heads, 3, cfg.head_dim)),) * 2] * cfg.num_layers)
+    with pytest.raises(ValueError, match="attends to every token"):  # the ring as a self-attention part
+        full_model(tokens, EncoderDecoderCache.create(ring, cross))
 
     mixed = make_model(seed=12, sliding_window=4, sliding_layers=(True, False))
     swapped = HybridCache.init(layer_types=[FULL, SLIDING], max_length=8, window=4, **sizes)

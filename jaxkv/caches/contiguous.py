@@ -19,7 +19,7 @@ import numpy as np
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches._bits import stored_dtype, to_bits
-from jaxkv.caches._checks import _check_sizes, _floating_dtype, _is_traced
+from jaxkv.caches._checks import CacheError, _check_sizes, _floating_dtype, _is_traced
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.dynamic import DynamicCache
 from jaxkv.caches.views import ContiguousView
@@ -198,11 +198,14 @@ class StaticCache(KVCache):
         Raises:
           ValueError: rows of one layer hold different lengths (a dynamic cache has one
             length per layer); select rows with ``batch_select_indices`` first.
+          CacheError: a row is flagged (an overflow or a bad index dropped data): the
+            export has no flags to carry that, so it would pass for a whole cache.
         """
         return DynamicCache(self._legacy("StaticCache.to_dynamic"))
 
     def to_legacy_cache(self) -> tuple[tuple[Array, Array], ...]:
-        """The valid part ``((k0, v0), ...)``, each ``[B, H, n_l, D]``; rows must agree."""
+        """The valid part ``((k0, v0), ...)``, each ``[B, H, n_l, D]``; rows must agree.
+        A flagged row is a ``CacheError``, as in :meth:`to_dynamic`."""
         return self._legacy("StaticCache.to_legacy_cache")
 
     def _legacy(self, who: str) -> tuple[tuple[Array, Array], ...]:
@@ -211,6 +214,14 @@ class StaticCache(KVCache):
                 f"{who} needs concrete lengths (its output shapes depend "
                 "on them); call it outside jax.jit."
             )
+        if np.asarray(self.flags).any():  # sticky flags have nowhere to go in the export
+            try:
+                self.check()
+            except CacheError as err:
+                raise CacheError(
+                    f"{who}: {err} The export has no flags, so it would pass for a whole cache; reset or "
+                    "drop the flagged rows first."
+                ) from None
         lengths = np.asarray(self.lengths)
         out = []
         for i in range(self.num_layers):

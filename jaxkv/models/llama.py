@@ -392,6 +392,7 @@ def _check_cache_windows(cache: Any, config: LlamaConfig) -> None:
     window is not the layer's. (A StaticCache under a sliding layer is fine: the window
     is applied as a mask.) Storage windows are static, so this holds under ``jax.jit``.
     """
+    cache = getattr(cache, "self_attention", cache)  # an EncoderDecoderCache: its self part
     if not isinstance(cache, KVCache):
         return
     windows = tuple(config.sliding_window if s else None for s in config.sliding_layers)
