@@ -322,6 +322,23 @@ def test_jit_overflow_drops_writes_keeps_last_slot_and_sets_flag():
     assert again.reset().check() is not None
 
 
+def test_a_stack_of_caches_is_refused_outside_vmap():
+    """``jax.tree.map(jnp.stack, ...)`` of caches is what vmap takes; outside vmap its row and
+    layer ops read the stack axis as layers (``lengths[layer]``) and the layer axis as rows:
+    ``seq_lengths(1)`` gave the second cache's lengths, and ``reorder_cache`` swapped layers
+    when L == B. They raise now; under vmap they equal a loop over the caches; check() still
+    takes the stack."""
+    caches = [filled_static(), filled_static().crop(2)]
+    stack = jax.tree.map(lambda *x: jnp.stack(x), *caches)
+    for op in (lambda c: c.seq_lengths(1), lambda c: c.reorder_cache(jnp.array([1, 0])), lambda c: c.crop(1),
+               lambda c: c.update(*states(1), 0), lambda c: c.batch_size, lambda c: c.view(0)):
+        with pytest.raises(ValueError, match=r"stack of caches \(lengths \[2, 3, 2\]"):
+            op(stack)
+    got = jax.vmap(lambda c: c.reorder_cache(jnp.array([1, 0])).seq_lengths(1))(stack)
+    np.testing.assert_array_equal(got, [c.reorder_cache(jnp.array([1, 0])).seq_lengths(1) for c in caches])
+    assert stack.check() is stack
+
+
 def test_traced_bad_layer_or_num_new_writes_nothing_and_flags():
     # (A traced bad row index: test_conformance.py, every kind.)
     cache = filled_static()

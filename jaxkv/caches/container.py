@@ -168,11 +168,23 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return self.lengths.shape[-2]
+        return self._unstacked_lengths().shape[0]
 
     @property
     def batch_size(self) -> int:
-        return self.lengths.shape[-1]
+        return self._unstacked_lengths().shape[1]
+
+    def _unstacked_lengths(self) -> Array:
+        """``lengths`` [L, B]; a stack of caches (``jax.tree.map(jnp.stack, ...)``: [N.., L, B])
+        is refused here, so that no row or layer op reads its stack axis as layers or rows."""
+        if self.lengths.ndim != 2:
+            raise ValueError(
+                f"{self._name}: this is a stack of caches (lengths {list(self.lengths.shape)}, not [layers, "
+                "batch]); its row, layer and write ops work on one cache: run them under jax.vmap (or "
+                "lax.scan / lax.map over the stack), or take one cache out with jax.tree.map(lambda x: x[i], "
+                "stack). (check() takes the stack as it is.)"
+            )
+        return self.lengths
 
     @property
     def num_kv_heads(self) -> int:
