@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="subtracted from the logit of every token already generated; 0 is off (default 0)")
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="subtracted once per time a token was generated; 0 is off (default 0)")
-    gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+    gen.add_argument("--seed", type=int, default=0, help="PRNG seed, an integer in [0, 2**32) (default 0)")
     gen.add_argument(
         "--prompt-cache", metavar="FILE", default=None,
         help="reuse the prompt's cache saved in FILE when model and prompt prefix match (only the rest is "
@@ -254,13 +254,16 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     import jax
     import jax.numpy as jnp
 
+    from jaxkv._checks import model_vocab_size
     from jaxkv.generation import stream
     from jaxkv.models import CheckpointError, from_pretrained
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not -(2**63) <= args.seed < 2**63:  # jax.random.key takes a 64-bit signed seed
-        raise CliError(f"--seed must be an integer in [-2**63, 2**63), got {args.seed}")
+    # jax.random.key keeps 32 bits of the seed (without x64): a wider one (or a negative one)
+    # would silently give another seed's text (2**32 + 1 gave seed 1's), as PagedEngine refuses too.
+    if not 0 <= args.seed < 2**32:
+        raise CliError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
     sampling = _sampling_config(args)
     _check_prompt(args.prompt)
     path = args.model or embedded_model_path()
@@ -280,7 +283,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             f"context of {context} tokens; shorten the prompt or lower --max-new-tokens"
         )
     _check_memory(loaded, len(ids), args.max_new_tokens)
-    eos = _eos_ids(path)
+    eos = _eos_ids(path, model_vocab_size(loaded.model))
     _use_compilation_cache()  # only now: a run refused above leaves JAX's settings alone
     if jax.default_backend() == "cpu":
         from jaxkv import _kernels
@@ -359,10 +362,10 @@ def _stream_maker(args: argparse.Namespace, stream):
     return make
 
 
-def _eos_ids(path: str) -> tuple[int, ...]:
+def _eos_ids(path: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """Every stop id of the checkpoint (``eos_token_id``: one id or a list, as chat models
     that end a turn with one of several ids have it), from generation_config.json, else
-    config.json; () when neither names one."""
+    config.json; () when neither names one. Each must lie in ``[0, vocab_size)``."""
     for name in ("generation_config.json", "config.json"):
         file, eos = _config_value(path, name, "eos_token_id")
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -372,6 +375,10 @@ def _eos_ids(path: str) -> tuple[int, ...]:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise CliError(
                     f"{file}: key 'eos_token_id' must be a token id (an integer >= 0) or a list of them, got {eos!r}"
+                )
+            if vocab_size is not None and i >= vocab_size:
+                raise CliError(
+                    f"{file}: key 'eos_token_id' names id {i}, outside the model's vocabulary [0, {vocab_size})"
                 )
         return tuple(ids)
     return ()

@@ -121,9 +121,27 @@ def prefill(
     once are those of C tokens, not P; the result equals one-shot prefill up to float
     rounding. C must divide P (bucketed prompt lengths are powers of two). ``history``: as
     in :func:`select_token` (the whole prompt's, for a config with a penalty).
+
+    A concrete ``prompt_lengths`` outside ``[1, P]`` is a ``ValueError``; under ``jax.jit``
+    such a row yields :data:`NAN_TOKEN` (its cache row holds one NaN token), never a
+    valid-looking id.
     """
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        host = np.asarray(prompt_lengths)
+        bad = (host < 1) | (host > prompt_len)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(f"prefill: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]")
+    else:
+        # A traced length outside [1, P] would read a padding position's logits as the
+        # first token (0), or take padding as prompt (> P). Such a row is fed one token
+        # id -1 instead: the model embeds it as NaN, so the row's logits and the key/value
+        # it leaves are NaN and every token it yields is NAN_TOKEN, as for a bad id.
+        bad = (prompt_lengths < 1) | (prompt_lengths > prompt_len)
+        input_ids = input_ids.at[:, 0].set(jnp.where(bad, -1, input_ids[:, 0]))
+        prompt_lengths = jnp.where(bad, 1, prompt_lengths)
     if chunk_size is None or chunk_size >= prompt_len:
         # Only each row's last real prompt token needs logits: no [B, P, V] product.
         logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]
@@ -296,6 +314,11 @@ def check_prompts(
                 f"{who}: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]: every row "
                 "needs at least one prompt token and at most input_ids.shape[1]"
             )
+    else:
+        # Traced: tested in their own dtype, against this width (bucketing pads it later);
+        # a bad one becomes 0, which prefill turns into a row of NAN_TOKEN.
+        ok = (prompt_lengths >= 1) & (prompt_lengths <= prompt_len)
+        prompt_lengths = jnp.where(ok, prompt_lengths, 0)
     return input_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
 
 
@@ -412,7 +435,7 @@ def generate(
     Under an outer ``jax.jit`` the ids are traced and cannot be checked: an out-of-range
     id gives NaN logits for its row (see :meth:`jaxkv.models.Llama.__call__`), and that
     row's tokens are then ``NAN_TOKEN`` (-1), never a valid-looking id. Other rows are
-    unaffected.
+    unaffected. A traced ``prompt_lengths`` entry outside ``[1, P]`` does the same.
 
     Example:
       >>> out = jaxkv.generate(model, jnp.array([[1, 2, 3], [4, 5, 0]]), 8,  # doctest: +SKIP

@@ -149,6 +149,25 @@ def test_traced_bad_ids_in_generate_emit_nan_token(model):
     np.testing.assert_array_equal(out[0], generate(model, ids, 3).tokens[0])
 
 
+def test_traced_bad_prompt_lengths_emit_nan_token(model):
+    """Under an outer jit the lengths cannot raise. A length of 0 (or -2) used to give the
+    row a "first token" read from padding, and one past the width passed in (5 of 4, within
+    the bucket of 8) took a pad token as prompt: valid-looking ids either way. Such a row
+    now emits NAN_TOKEN; the other row equals its eager run. Eagerly, prefill itself
+    refuses such a length too (it did not check it)."""
+    ids = CLEAN.astype(np.int32)
+    run = jax.jit(lambda lengths: generate(model, ids, 3, prompt_lengths=lengths).tokens)
+    want = generate(model, ids, 3, prompt_lengths=np.array([4, 3])).tokens
+    for bad in (0, -2, 5, 40):
+        out = run(jnp.array([bad, 3]))
+        np.testing.assert_array_equal(out[0], [NAN_TOKEN] * 3, err_msg=str(bad))
+        np.testing.assert_array_equal(out[1], want[1])
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(2, 8)
+    with pytest.raises(ValueError, match=r"prefill: prompt_lengths\[0\] = 0 is outside \[1, 4\]"):
+        prefill(graphdef, state, jnp.asarray(ids), jnp.array([0, 3]), cache)
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
 def test_select_token_never_turns_nan_logits_into_a_valid_id(sampling):
     logits = jnp.zeros((2, V)).at[0].set(jnp.nan).at[1, 5].set(10.0)

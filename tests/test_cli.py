@@ -65,7 +65,10 @@ def test_generate_streams_text_and_prints_summary(tmp_path):
         (["--repetition-penalty", "nan"], "--repetition-penalty must be a finite number"),
         (["--presence-penalty", "inf"], "--presence-penalty must be a finite number"),
         (["--frequency-penalty", "nan"], "--frequency-penalty must be a finite number"),
-        (["--seed", str(2**64)], "--seed must be an integer in [-2**63, 2**63), got 18446744073709551616"),
+        (["--seed", str(2**64)], "--seed must be an integer in [0, 2**32), got 18446744073709551616"),
+        # jax.random.key keeps 32 bits: 2**32 + 1 gave seed 1's text, -1 seed 2**32 - 1's.
+        (["--seed", str(2**32 + 1)], "--seed must be an integer in [0, 2**32), got 4294967297"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
     ],
 )
 def test_bad_input_is_one_clean_line(args, match, capsys):
@@ -125,6 +128,12 @@ def test_every_stop_id_of_the_checkpoint_ends_the_text(tmp_path, monkeypatch, ca
     printed, summary = capsys.readouterr().out.rsplit("\n[jaxkv]", 1)
     assert printed == prompt + loaded.tokenizer.decode(greedy[:at])
     assert f"| new {at} tokens |" in summary
+    # An id past the vocabulary: one clean line and status 2 (it was a traceback, status 1).
+    vocab = loaded.model.config.vocab_size
+    (model / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": [0, vocab]}))
+    assert main(["generate", prompt, "--model", str(model), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"names id {vocab}, outside the model's vocabulary [0, {vocab})" in err[0], err
 
 
 @pytest.fixture

@@ -163,6 +163,10 @@ def test_stop_tokens_and_streaming(model, reference):
     first_stop = reference[0].index(stop)
     assert list(out[0].tokens) == reference[0][: first_stop + 1] and out[0].finish_reason == "stop"
     assert streamed == {"a": list(out[0].tokens), "b": list(out[1].tokens)}
+    # Stop ids as a one-shot iterator: the check used to consume it, so it never matched
+    # (the request ran to max_new_tokens, finish_reason "length").
+    once = eng.run([EngineRequest(PROMPTS[0], N, stop_token_ids=iter([stop]), id="a")])
+    assert once[0].tokens == out[0].tokens and once[0].finish_reason == "stop"
     # A stream abandoned after its first token (a client gone) frees its rows' pages: the
     # pool then holds only the prefix index's pins, and a later run is served in full
     # (it used to wait forever for pages no row would free).

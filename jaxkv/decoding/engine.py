@@ -103,6 +103,18 @@ class EngineRequest:
     id: Any = None
 
 
+def _stops_as_tuple(request: Any) -> Any:
+    """``request`` with its stop ids as a tuple, when they are some other iterable (left as
+    they are when not iterable, or a sequence already, for the check's own message)."""
+    stops = getattr(request, "stop_token_ids", ())
+    if not isinstance(request, EngineRequest) or isinstance(stops, (list, tuple, np.ndarray, range, str, bytes)):
+        return request
+    try:
+        return dataclasses.replace(request, stop_token_ids=tuple(stops))
+    except TypeError:
+        return request
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineResult:
     """A finished request: its tokens, why it ended (``"stop"`` or ``"length"``), how many
@@ -398,6 +410,9 @@ class PagedEngine:
 
     def _serve_steps(self, requests: Sequence[EngineRequest]):
         who = "PagedEngine.run"
+        # Stop ids are read at every step: a one-shot iterable (a generator, iter([...]))
+        # would be used up by the check below and then never match. Taken once, as a tuple.
+        requests = [_stops_as_tuple(r) for r in requests]
         for index, request in enumerate(requests):
             self._check(request, index, who)
         ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
