@@ -255,25 +255,25 @@ def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged, b
     return call(queries, *operands, **attributes)
 
 
-def _local_axes(mesh, arg_shapes, paged):
+def _local_axes(mesh, queries, keys, block_table=None):
     """The mesh axes of the cache's rows and kv heads that each device can keep local.
 
-    Rows split freely; kv heads split only where the query heads split the same way (so
-    each device holds whole groups: query head i reads kv head i // G). A paged pool is
-    shared by all rows: its rows are the block table's, and every device keeps every page
-    (of its kv heads).
+    ``queries``, ``keys`` and ``block_table`` are the operands' shapes with shardings, as
+    ``custom_partitioning`` hands them over. Rows split freely; kv heads split only where the
+    query heads split the same way (so each device holds whole groups: query head i reads kv
+    head i // G). A paged pool (``block_table`` given) is shared by all rows: its rows are
+    the block table's, and every device keeps every page (of its kv heads).
     """
-    keys = arg_shapes[1]
     spec = tuple(getattr(keys.sharding, "spec", ())) + (None,) * 5
     rows, heads = spec[1], spec[2]
-    if paged:  # the block table is the last operand
-        rows = (tuple(getattr(arg_shapes[-1].sharding, "spec", ())) + (None,))[0]
+    if block_table is not None:
+        rows = (tuple(getattr(block_table.sharding, "spec", ())) + (None,))[0]
 
     def size(axes):
         names = axes if isinstance(axes, tuple) else (axes,)
         return int(np.prod([mesh.shape[name] for name in names if name is not None]))
 
-    q_heads, kv_heads = arg_shapes[0].shape[1], keys.shape[2]
+    q_heads, kv_heads = queries.shape[1], keys.shape[2]
     if heads is not None and (q_heads % size(heads) or kv_heads % size(heads)):
         heads = None
     return rows, heads
@@ -296,7 +296,7 @@ def _partitioned_kernel(sliding_window, logit_softcap, scale, paged=False, bits=
         return _ffi_call(*operands, **static)
 
     def shardings(mesh, arg_shapes):
-        rows, heads = _local_axes(mesh, arg_shapes, paged)
+        rows, heads = _local_axes(mesh, arg_shapes[0], arg_shapes[1], arg_shapes[-1] if paged else None)
         named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
         cache = named(None, None, heads, None, None) if paged else named(None, rows, heads, None, None)
         quantized = (named(None, None if paged else rows, heads, None),) * 2 if bits else ()  # the scales

@@ -65,10 +65,12 @@ Pallas interpret mode (``tests/test_pallas_gpu.py``: the float64 reference and t
 contract; the Triton lowering is exported for CUDA there too). Their GPU speed is measured
 by part 0 of ``benchmarks/bench_device.py``; it has not run on a GPU yet.
 
-Not done yet: the kernels have no partitioning rule, so over a cache sharded across several
-GPUs XLA would gather each layer onto every device before the call (set
-``JAXKV_PALLAS_GPU=0`` there, or call them per shard under ``shard_map``). Derivatives come
-from the XLA loop (``custom_jvp``), which computes the same function.
+Sharded caches: the kernels carry a partitioning rule (``custom_partitioning``, the CPU
+kernel's rule): over a cache sharded by rows and kv heads, each device runs them on its own
+rows and kv heads and the output comes back sharded that way; nothing gathers the cache
+(``tests/test_sharding.py`` checks the compiled program on 8 virtual devices, interpret
+mode). Under ``jax.vmap`` the Pallas call batches itself. Derivatives come from the XLA loop
+(``custom_jvp``), which computes the same function.
 
 Shapes: B rows, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim,
 M = G * T padded, BK slots per block, NS splits, R residual slots.
@@ -84,10 +86,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.attention.blockwise import (
     _default_platform,
+    _local_axes,
     blockwise_attend,
     paged_blockwise_attend,
     quantized_blockwise_attend,
@@ -248,14 +253,16 @@ def pallas_attend_view(
     floats = jnp.array([head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0], jnp.float32)
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret))
     view = view._replace(layer=jnp.asarray(view.layer, jnp.int32), lengths=view.lengths.astype(jnp.int32))
-    names = [name for name in view._fields if name not in ("bits", "dtype", "scale_dtype")]
+    view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
+    names = [name for name in view._fields if name not in _STATIC_FIELDS]
+    kernel = _sharded_kernel(type(view), view_static, tuple(static.items()))
 
     def rebuild(arrays):
         return view._replace(**dict(zip(names, arrays)))
 
     @jax.custom_jvp
     def attend(queries, q_positions, *arrays):
-        return _kernel_path(queries, rebuild(arrays), q_positions, options, floats, **static)
+        return _run_sharded(kernel, interpret)(queries, q_positions, options, floats, *arrays)
 
     @attend.defjvp
     def _attend_jvp(primals, tangents):  # derivatives (rarely wanted in decode) from the XLA loop
@@ -283,6 +290,96 @@ def _kernel_path(queries, view, q_positions, options, floats, **static):
         options, floats, bits=view.bits, kv_dtype=jnp.dtype(view.dtype), scale_dtype=jnp.dtype(view.scale_dtype),
         **static,
     )
+
+
+_STATIC_FIELDS = ("bits", "dtype", "scale_dtype")  # a view's fields that are not arrays
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_kernel(view_type, view_static, static):
+    """The kernels as one call ``(queries, q_positions, options, floats, *view arrays)``,
+    split by rows and kv heads over a sharded cache.
+
+    Without this, XLA's partitioner knows nothing of the Pallas call and gathers the whole
+    cache (every layer) onto every device before it. With it, each device runs the kernels
+    on its own rows and kv heads (``custom_partitioning``, the rule of the CPU kernel in
+    :mod:`jaxkv.attention.blockwise`: rows split freely, kv heads where the query heads
+    split the same way; a paged pool splits by kv heads only, its block table by rows) and
+    the output comes back sharded like that. On one device it is the plain call. Each
+    program's work is one row and kv head, so a shard's result is exactly its part of the
+    whole. Under ``jax.vmap`` the Pallas call's own batching takes over (not partitioned).
+    """
+    view_static, static = dict(view_static), dict(static)
+    names = [name for name in view_type._fields if name not in view_static]
+    paged = view_type is PagedView
+
+    def local(queries, q_positions, options, floats, *arrays):
+        view = view_type(**dict(zip(names, arrays)), **view_static)
+        return _kernel_path(queries, view, q_positions, options, floats, **static)
+
+    @custom_partitioning
+    def call(*operands):
+        return local(*operands)
+
+    def shardings(mesh, arg_shapes):
+        shapes = dict(zip(names, arg_shapes[4:]))
+        rows, heads = _local_axes(mesh, arg_shapes[0], shapes["keys"], shapes["block_table"] if paged else None)
+        named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+        per_name = {
+            "keys": named(None, None if paged else rows, heads, None, None),
+            "key_scales": named(None, None if paged else rows, heads, None),
+            "residual_keys": named(rows, heads, None, None),
+            "residual_positions": named(rows, None),
+            "block_table": named(rows, None),
+            "layer": named(),
+            "lengths": named(rows),
+        }
+        per_name.update(values=per_name["keys"], value_scales=per_name["key_scales"],
+                        residual_values=per_name["residual_keys"])
+        args = (named(rows, heads, None, None), named(rows, None), named(None), named(None),
+                *[per_name[name] for name in names])
+        return args, named(rows, heads, None, None)
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, out = shardings(mesh, arg_shapes)
+        return mesh, local, out, args
+
+    # queries [B, Hq, T, D], q_positions [B, T], options [1], floats [2], then the view's arrays
+    # (keys/values [L, B, H, S, D'] or pools [L, P, H, ps, D']; scales [L, B|P, H, S|ps|0];
+    # residual keys/values [B, H, R, D], positions [B, R]; block table [B, M]; layer []; lengths [B])
+    factors = {
+        ContiguousView: "l b k s e, l b k s e, , b",
+        QuantizedView: "l b k s e, l b k s e, l b k s, l b k s, b k r d, b k r d, b r, , b",
+        PagedView: "l p k s e, l p k s e, l p k z, l p k z, b m, , b",
+    }
+    call.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: shardings(mesh, arg_shapes)[1],
+        sharding_rule=f"b h t d, b t, o, f, {factors[view_type]} -> b h t d",
+    )
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*operands):
+        return call(*operands)
+
+    @batchable.def_vmap
+    def _rule(axis_size, in_batched, *operands):
+        return jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))(*operands), True
+
+    return batchable
+
+
+def _run_sharded(kernel, interpret: bool):
+    """``kernel`` (:func:`_sharded_kernel`) as called now: traced in place inside a caller's
+    trace, else jitted once (with interpret mode's compiler options off a GPU)."""
+    if isinstance(jnp.zeros(()), jax.core.Tracer):
+        return kernel
+    return _jitted_call(kernel, interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_call(kernel, interpret: bool):
+    return jax.jit(kernel, compiler_options=_INTERPRET_COMPILER_OPTIONS if interpret else None)
 
 
 def _xla_path(queries, view, q_positions, sliding_window, logit_softcap, scale):
