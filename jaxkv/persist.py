@@ -273,6 +273,9 @@ def _atomic_target(path: str) -> tuple[str, str]:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CacheFileError(f"{path}: the directory {directory} does not exist.")
+    if os.path.isdir(path):
+        raise CacheFileError(f"{path}: is a directory; a safetensors cache file needs a file path (format='orbax' "
+                             "writes a directory).")
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     os.close(fd)
     return directory, tmp
@@ -300,6 +303,12 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
     _, tmp = _atomic_target(path)
     try:
         st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(_sealed(header))})
+        # The temporary file is 0600 (mkstemp, and safetensors writes its own); the file gets
+        # what open() would give (0666 less the umask): a prompt cache shared between users
+        # stays readable by them.
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -475,6 +484,11 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
     if like is not None:
         _check_like(path, header, abstract, like)
         treedef = jax.tree.structure(like)
+    if sharding is not None and like is None and any("memory" in m for m in header["leaves"]):
+        raise CacheFileError(
+            f"{path}: holds an offloaded cache (buffers in host memory), which is never sharded; load it without "
+            "sharding= (its buffers go back to host memory) or with like= an offloaded cache."
+        )
     targets = _target_shardings(abstract, like, sharding, path)
     try:  # no layout asked for: leaves saved outside device memory (offloaded) go back there
         targets = [place_sharding(tuple(m["memory"]), path) if t is None and "memory" in m else t
@@ -498,10 +512,15 @@ def _check_like(path: str, header: dict, abstract: Any, like: Any) -> None:
     differs = _difference(header["tree"], _describe(target))
     if differs:
         raise CacheFileError(f"{path}: the cache does not match like=: {differs}.")
-    grows = getattr(like, "SHAPES_GROW", False)  # a DynamicCache's arrays follow its length
+    # A DynamicCache's [B, H, S, D] layers follow its length: only S may differ from like='s.
+    grows = getattr(like, "SHAPES_GROW", False)
+
+    def sizes(shape):
+        return tuple(n for axis, n in enumerate(shape) if not (grows and len(shape) == 4 and axis == 2))
+
     for meta, leaf in zip(header["leaves"], jax.tree.leaves(like)):
         shape, dtype = tuple(meta["shape"]), jnp.dtype(meta["dtype"])
-        if dtype != leaf.dtype or (shape != tuple(leaf.shape) and not grows):
+        if dtype != leaf.dtype or sizes(shape) != sizes(tuple(leaf.shape)):
             raise CacheFileError(
                 f"{path}: array {meta['name']} is {dtype.name}{list(shape)} in the file, like= has "
                 f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}; build like= with the same sizes and dtype."
@@ -681,6 +700,9 @@ def _token_array(token_ids: Any, who: str) -> np.ndarray:
         ids = ids[0]
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"{who}: token_ids must be a 1-D sequence of integer ids, got {ids.dtype}{list(ids.shape)}.")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)][0]
+        raise ValueError(f"{who}: token ids must be in [0, 2**31) (files store them as int32), got {int(bad)}.")
     return ids.astype(np.int64)
 
 
@@ -698,8 +720,8 @@ def save_sequence(
       token_ids: int[n]: the ``n`` tokens the row holds, in order.
 
     Raises:
-      ValueError: an empty row, layers of different lengths, flags set, or ``token_ids``
-        of another length than the row's.
+      ValueError: an empty row, layers of different lengths, flags set, ``token_ids``
+        of another length than the row's, or ids outside [0, 2**31) (stored as int32).
       TypeError: not a preallocated cache, or ids that are not integers.
     """
     who = "save_sequence"
@@ -749,7 +771,11 @@ def load_sequence(
     (prefill the prompt from token ``k`` on). If they differ after ``k`` tokens, the first
     ``k`` are used (``strict=True`` raises instead). Row ``row`` then holds exactly those
     ``k`` tokens (``k = 0``: it is emptied); the other rows are untouched. A ring whose
-    rollback to ``k`` would need evicted tokens restores nothing (``k = 0``).
+    rollback to ``k`` would need evicted tokens restores nothing (``k = 0``). A quantized
+    cache with a residual of ``R`` exact tokens takes at most ``P - R`` tokens from a file
+    that holds more than the prompt's ``P`` (the file's exact copies are of its own last
+    ``R`` tokens), so that once the rest of the prompt is prefilled the row holds what a
+    fresh prefill of the prompt would.
 
     Args:
       path: the file.
@@ -769,7 +795,7 @@ def load_sequence(
       CacheFileError: missing, truncated or corrupt file; another model, dtype, kind or
         layout; with ``strict``, diverging token ids.
       ValueError: a paged cache whose pool has too few free pages for the ``k`` tokens
-        (the cache passed in is unchanged).
+        (the cache passed in is unchanged); token ids outside [0, 2**31).
     """
     who = "load_sequence"
     path = os.fspath(path)
@@ -803,6 +829,13 @@ def load_sequence(
         )
     for cap in (cache.get_max_length(), max_tokens):
         k = k if cap is None else max(min(k, int(cap)), 0)
+    residual = max((getattr(store, "residual_length", 0) for store in cache.stores), default=0)
+    if residual and ids.shape[0] < stored_ids.shape[0]:
+        # A quantized cache keeps exact copies of the last R tokens written. A fresh prefill
+        # of this P-token prompt holds positions [P - R, P) exactly; the file holds exact
+        # copies of its last R (of n > P) only, so positions below P - R are all the row
+        # may take from it: the prefill then writes the rest, exactly, as a fresh one would.
+        k = min(k, max(ids.shape[0] - residual, 0))
     one = jax.tree.unflatten(jax.tree.structure(target), [jnp.asarray(a) for a in leaves])
     _check_row_shapes(path, one, target)
     if k:

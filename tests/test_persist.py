@@ -256,6 +256,77 @@ def test_ring_rollback_past_evicted_tokens_restores_nothing(tmp_path):
     assert (k, int(out.lengths[0, 0])) == (0, 0)
 
 
+def test_quantized_residual_restore_then_prefill_equals_a_fresh_prefill(tmp_path):
+    """A quantized cache keeps exact copies of its last R tokens. Restoring k < n tokens for a
+    shorter, diverging prompt and prefilling the rest gives the row a fresh prefill of the
+    prompt gives: the file's exact copies are of its own last R tokens, so the restore stops
+    at P - R and the prefill writes the last R exactly (before, k = 5 was restored and
+    positions 2-3 were read from their int4 codes, off by up to 0.1)."""
+    rng = np.random.default_rng(0)
+    sizes = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, max_length=16, bits=4, residual_length=4)
+    keys = jnp.asarray(rng.standard_normal((1, 1, 8, 8)), jnp.float32)
+    saved, _, _ = QuantizedCache.init(**sizes).update(keys, -keys, 0)  # ids 0..7
+    path = tmp_path / "q.safetensors"
+    save_sequence(path, saved, 0, model_fingerprint="m", token_ids=range(8))
+    prompt = [0, 1, 2, 3, 4, 99]  # P = 6, diverging at 5
+    prompt_keys = keys[:, :, :6].at[:, :, 5].set(jnp.asarray(rng.standard_normal(8), jnp.float32))
+    fresh, _, _ = QuantizedCache.init(**sizes).update(prompt_keys, -prompt_keys, 0)
+    restored, k = load_sequence(path, QuantizedCache.init(**sizes), 0, model_fingerprint="m", token_ids=prompt)
+    assert k == 6 - 4
+    restored, _, _ = restored.update(prompt_keys[:, :, k:], -prompt_keys[:, :, k:], 0)
+    want, got = fresh.view(0).dense(), restored.view(0).dense()  # dequantized, residual tokens in place
+    np.testing.assert_array_equal(np.asarray(got.keys)[..., :6, :], np.asarray(want.keys)[..., :6, :])
+    np.testing.assert_array_equal(np.asarray(got.values)[..., :6, :], np.asarray(want.values)[..., :6, :])
+    np.testing.assert_array_equal(np.asarray(got.keys)[0, 0, 2:6], np.asarray(prompt_keys)[0, 0, 2:6])  # exact
+    # A prompt at least as long as the file: every common token is taken, as for other kinds.
+    assert load_sequence(path, QuantizedCache.init(**sizes), 0, model_fingerprint="m", token_ids=range(10))[1] == 8
+    assert load_sequence(path, QuantizedCache.init(**sizes), 0, model_fingerprint="m",
+                         token_ids=[0, 1, 2, 3, 4, 5, 6, 99])[1] == 7
+
+
+def test_file_edges_token_ids_modes_directories_offload_and_dynamic_like(tmp_path):
+    src = with_rows(randomized(make("static")), [2, 2])
+    row = tmp_path / "row.safetensors"
+    # Ids are stored as int32: one past it would wrap onto another token's state.
+    for bad in ([2**32 + 7, 5], [2**31, 5], [-1, 5]):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\)"):
+            save_sequence(row, src, 0, model_fingerprint="m", token_ids=bad)
+    save_sequence(row, src, 0, model_fingerprint="m", token_ids=[7, 5])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\)"):
+        load_sequence(row, make("static"), 0, model_fingerprint="m", token_ids=[2**32 + 7, 5, 1])
+    # Files get the mode open() would give (mkstemp alone made them 0600 whatever the umask).
+    old = os.umask(0o022)
+    try:
+        save_cache(tmp_path / "a.safetensors", src)
+        save_sequence(row, src, 0, model_fingerprint="m", token_ids=[7, 5])
+        os.umask(0o077)
+        save_cache(tmp_path / "b.safetensors", src)
+    finally:
+        os.umask(old)
+    modes = [os.stat(tmp_path / name).st_mode & 0o777 for name in ("a.safetensors", "row.safetensors", "b.safetensors")]
+    assert modes == [0o644, 0o644, 0o600]
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(CacheFileError, match=rf"{tmp_path / 'adir'}: is a directory"):
+        save_cache(tmp_path / "adir", src)
+    # An offloaded cache is never sharded: sharding= on its file is refused (it loaded the
+    # buffers into device memory under a cache that still said offloaded, then failed later).
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jaxkv.offload import OffloadedCache
+
+    offloaded = tmp_path / "off.safetensors"
+    save_cache(offloaded, OffloadedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=4, max_length=4))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(CacheFileError, match="holds an offloaded cache"):
+        load_cache(offloaded, sharding=NamedSharding(mesh, PartitionSpec("data", "model")))
+    # like= a DynamicCache: its layers' length may differ from the file's, nothing else.
+    dynamic = tmp_path / "dyn.safetensors"
+    save_cache(dynamic, DynamicCache([(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4)))]))
+    longer = load_cache(dynamic, like=DynamicCache([(jnp.ones((1, 2, 5, 4)), jnp.ones((1, 2, 5, 4)))]))
+    assert longer.layers[0][0].shape == (1, 2, 3, 4)
+    with pytest.raises(CacheFileError, match=r"is float32\[1, 2, 3, 4\] in the file, like= has float32\[4, 8, 3, 16\]"):
+        load_cache(dynamic, like=DynamicCache([(jnp.ones((4, 8, 3, 16)), jnp.ones((4, 8, 3, 16)))]))
+
+
 def test_paged_sequence_round_trip(tmp_path):
     """A paged row (its pages in a shared pool) restored into another row of a larger pool."""
     cache = randomized(make("paged", batch_size=2, max_length=16), seed=5)

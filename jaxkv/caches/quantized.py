@@ -233,7 +233,9 @@ class QuantizedStorage:
         )
 
     def crop(self, old: Array, new: Array, **_: Any):
-        # Residual slots at or past the new length stop counting as used by themselves.
+        # Residual slots at or past the new length stop counting as used by themselves. The
+        # exact copies those cropped tokens overwrote are gone: the positions they held are
+        # read from their codes until written again (README, crop).
         return self, jnp.zeros(new.shape, bool)
 
     def reset_rows(self, rows: Array) -> QuantizedStorage:
