@@ -72,3 +72,50 @@ def test_keys_config_json_leaves_out_mean_what_transformers_assumes(extra):
         want = ((SLIDING if hf.sliding_window is not None else FULL),) * hf.num_hidden_layers
     window = hf.sliding_window if SLIDING in want else None
     assert layer_types_from_config(raw) == (want, window)
+
+
+MOE = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=64, max_position_embeddings=64, sliding_window=4)
+MOE_CASES = {
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], use_sliding_window=True,
+                      max_window_layers=3, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      num_experts=2, num_experts_per_tok=1),
+    "qwen2_moe, no model_type": dict(architectures=["Qwen2MoeForCausalLM"], use_sliding_window=True,
+                                     max_window_layers=3, moe_intermediate_size=16,
+                                     shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], use_sliding_window=True,
+                      max_window_layers=2, moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1, head_dim=8),
+    "mixtral, layer_types": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=2,
+                                 num_experts_per_tok=1, layer_types=[FULL, SLIDING] * 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_configs_slide_where_transformers_attention_slides(name):
+    """Measured, not read off the config: each decoder layer of the transformers model records
+    the mask it is given (12 tokens, window 4: a layer slides iff its last query cannot see
+    token 0). Qwen2-MoE slides its even layers below max_window_layers, Qwen3-MoE every layer,
+    Mixtral every layer whatever layer_types says; jaxkv had F,F,S,* for the first two and
+    Mixtral's layer_types (HybridCache.from_config put rings on the wrong layers)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    raw = {**MOE, **MOE_CASES[name]}
+    config = transformers.AutoConfig.for_model(**{"model_type": raw.get("model_type", "qwen2_moe"), **raw})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    seen = {}
+    for i, layer in enumerate(model.model.layers):
+        def hook(module, args, kwargs, i=i):
+            mask = kwargs["attention_mask"]
+            hidden = bool(mask[0, 0, -1, 0] < -1e30) if mask.dtype != torch.bool else not bool(mask[0, 0, -1, 0])
+            seen[i] = SLIDING if hidden else FULL
+
+        layer.register_forward_pre_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(12)[None])
+    want = tuple(seen[i] for i in range(4))
+    assert SLIDING in want
+    assert layer_types_from_config(raw) == (want, 4)
+    assert layer_types_from_config(config) == (want, 4)
+    assert HybridCache.from_config(raw, batch_size=1, max_length=16).layer_types == want

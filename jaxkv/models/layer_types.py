@@ -18,7 +18,10 @@ SLIDING = "sliding_attention"
 # Model types whose configs say which layers slide with use_sliding_window/max_window_layers.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Model types whose sliding_window, when set, applies to every layer.
-_ALL_SLIDING_TYPES = ("mistral", "mixtral")
+_ALL_SLIDING_TYPES = ("mistral", "mixtral", "qwen3_moe")
+# Model types whose attention reads config.sliding_window alone: a layer_types key in their
+# config.json is ignored by transformers (MixtralModel, Qwen3MoeModel: one mask for all).
+_IGNORE_LAYER_TYPES = ("mixtral", "qwen3_moe")
 # Model types whose attention has no window at all: transformers ignores sliding_window.
 _NO_WINDOW_TYPES = ("llama",)
 # What transformers' config classes assume for a key config.json leaves out (checked against
@@ -37,6 +40,8 @@ _TYPE_OF_ARCHITECTURE = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -48,9 +53,12 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
     * Qwen2/Qwen3 (``model_type`` qwen2, qwen3 or their MoE variants): without
       ``use_sliding_window`` no layer slides, whatever ``layer_types`` says (transformers
       then sets the window to None). With it, ``layer_types`` if given, else layer ``i``
-      slides iff ``i >= max_window_layers``.
+      slides iff ``i >= max_window_layers`` (qwen2, qwen3), iff ``i`` is even and
+      ``i < max_window_layers`` (qwen2_moe, ``Qwen2MoeConfig``'s rule), every layer
+      (qwen3_moe: its attention reads ``sliding_window`` alone).
     * ``layer_types`` given: used as is (each ``"full_attention"`` or
-      ``"sliding_attention"``), with ``sliding_window`` as the window.
+      ``"sliding_attention"``), with ``sliding_window`` as the window; except for Mixtral
+      and Qwen3-MoE, whose attention ignores it.
     * Mistral/Mixtral: every layer slides when ``sliding_window`` is set.
     * Llama: every layer is full (its attention has no window; transformers ignores a
       ``sliding_window`` key there).
@@ -80,7 +88,7 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
     qwen = model_type in _QWEN_TYPES
     if (qwen and not cfg.get("use_sliding_window", False)) or model_type in _NO_WINDOW_TYPES:
         return (FULL,) * num_layers, None
-    types = cfg.get("layer_types")
+    types = None if model_type in _IGNORE_LAYER_TYPES else cfg.get("layer_types")
     if types:
         types = tuple(types)
         if len(types) != num_layers:
@@ -93,16 +101,19 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
             raise ValueError(
                 f"layer_types_from_config: only {FULL!r} and {SLIDING!r} layers have a jaxkv cache, got {other}."
             )
+    elif model_type in _ALL_SLIDING_TYPES or window is None:
+        types = ((SLIDING if window is not None else FULL),) * num_layers
     elif qwen:
         if "max_window_layers" not in cfg:
             raise ValueError(
                 f"layer_types_from_config: a {model_type} config with use_sliding_window but neither layer_types "
                 "nor max_window_layers; which layers slide is not known. Pass layer_types."
             )
-        first = cfg["max_window_layers"]
-        types = tuple(SLIDING if window is not None and i >= first else FULL for i in range(num_layers))
-    elif model_type in _ALL_SLIDING_TYPES or window is None:
-        types = ((SLIDING if window is not None else FULL),) * num_layers
+        last = cfg["max_window_layers"]
+        if model_type == "qwen2_moe":  # the even layers below max_window_layers (Qwen2MoeConfig)
+            types = tuple(SLIDING if i % 2 == 0 and i < last else FULL for i in range(num_layers))
+        else:
+            types = tuple(SLIDING if i >= last else FULL for i in range(num_layers))
     else:
         raise ValueError(
             f"layer_types_from_config: a {model_type or 'config'} with sliding_window={window} but no "
