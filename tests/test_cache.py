@@ -539,3 +539,11 @@ def test_scan_over_layers_decode_step_has_no_cache_sized_copy():
     buffer_shape = f"f32[{layers},1,{H},{capacity},{D}]"
     copies = [line for line in hlo.splitlines() if " copy(" in line and buffer_shape in line]
     assert not copies, copies
+
+
+def test_a_cache_of_no_rows_has_length_zero():
+    """batch_select_indices([]) gives a cache of no rows; its longest row is 0 (a max over
+    nothing raised a NumPy reduction error)."""
+    empty = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4).batch_select_indices(
+        jnp.zeros((0,), jnp.int32))
+    assert empty.batch_size == 0 and empty.get_seq_length(0) == 0

@@ -12,12 +12,14 @@ was given.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import INVALID, OUT_OF_PAGES, CacheError, PagedCache, QuantizedCache, StaticCache
+from jaxkv import INVALID, OUT_OF_PAGES, OVERFLOW, CacheError, PagedCache, QuantizedCache, StaticCache
 from jaxkv.attention import attend_view
 from reference import numpy_attention
 
@@ -326,6 +328,8 @@ def test_padding_of_take_rows_holds_no_page_so_a_shared_page_is_copied_not_overw
     ten = jnp.full((2, 1, 1, 2), 10.0)
     cache, _, _ = cache.update(ten, ten, 0, num_new=jnp.array([1, 0]))  # row 0: position 2 is 10
     rows = jnp.array([1, 2])  # 2 == batch_size: padding
+    flagged = dataclasses.replace(cache, flags=jnp.array([0, OVERFLOW], jnp.int32))
+    assert np.asarray(flagged.take_rows(rows).flags).tolist() == [OVERFLOW, 0]  # padding: empty, no flag of its own
     sub = cache.take_rows(rows)
     minus = jnp.full((2, 1, 1, 2), -7.0)
     sub, _, _ = sub.update(minus, minus, 0, num_new=jnp.array([1, 0]))
@@ -359,6 +363,7 @@ def test_attach_prefix_under_jit_checks_what_the_eager_call_checks_and_flags_the
         (2, [page], 4, "row not empty"),
         (1, [free_page], 4, "a free page"),
         (1, [7], 4, "a page id out of range"),
+        (1, [-1, page], 4, "a -1 before a page: positions 0-3 would read page 0"),
     ]:
         with pytest.raises(ValueError):
             cache.attach_prefix(row, np.array(pages), n)

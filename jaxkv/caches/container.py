@@ -242,7 +242,7 @@ class KVCache:
 
     def get_seq_length(self, layer_idx: Any = 0) -> int | Array:
         """The longest row of ``layer_idx``: a Python int eagerly, an int32 scalar under jit."""
-        longest = jnp.max(self.seq_lengths(layer_idx))
+        longest = jnp.max(self.seq_lengths(layer_idx), initial=0)  # 0 for a cache of no rows
         return longest if _is_traced(longest) else int(longest)
 
     def positions(self, num_tokens: int, layer_idx: Any = 0, *, batch_size: int | None = None) -> Array:

@@ -591,7 +591,8 @@ class PagedCache(KVCache):
         table = jnp.where(pad[:, None], jnp.int32(NO_PAGE), store.block_table[safe])
         sub = dataclasses.replace(store, block_table=table)
         lengths = jnp.where(pad[None, :], 0, self.lengths[:, safe])
-        return dataclasses.replace(self, stores=(sub,), lengths=lengths, flags=self.flags[safe])
+        flags = jnp.where(pad, 0, self.flags[safe])  # an empty row has no error of its own
+        return dataclasses.replace(self, stores=(sub,), lengths=lengths, flags=flags)
 
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
@@ -616,7 +617,8 @@ class PagedCache(KVCache):
 
         Raises:
           ValueError: (eagerly) the row is not empty, ``num_tokens`` is not
-            ``len(pages) * page_size``, or a page is free (not held by a row or pin).
+            ``len(pages) * page_size``, a page is free (not held by a row or pin), or a
+            ``-1`` comes before a page (a gap).
         """
         who = "PagedCache.attach_prefix"
         store = self.stores[0]
@@ -632,6 +634,9 @@ class PagedCache(KVCache):
             if np.asarray(self.lengths[:, r]).any() or (np.asarray(store.block_table[r]) >= 0).any():
                 raise ValueError(f"{who}: row {r} is not empty; reset it first.")
             used = host_pages[host_pages >= 0]
+            if ((host_pages[:-1] < 0) & (host_pages[1:] >= 0)).any():
+                raise ValueError(f"{who}: pages {host_pages.tolist()} have a gap; -1 may only pad the end (the row "
+                                 "would read the gap's positions from another page).")
             if n != used.size * store.page_size:
                 raise ValueError(
                     f"{who}: num_tokens={n} must be the pages' tokens ({used.size} full pages of {store.page_size})."
@@ -653,7 +658,8 @@ class PagedCache(KVCache):
         empty = ~jnp.any(self.lengths[:, safe_row] != 0) & ~jnp.any(store.block_table[safe_row] >= 0)
         held = jnp.all(jnp.where(used, store.refcount[jnp.maximum(pages, 0)] > 0, True))
         count_ok = num_tokens == jnp.sum(used, dtype=jnp.int32) * store.page_size
-        ok = in_range & empty & held & count_ok & ~bad_id
+        gap = jnp.any(~used[:-1] & used[1:])  # -1 only as padding at the end
+        ok = in_range & empty & held & count_ok & ~bad_id & ~gap
         flags = self.flags.at[row].set(
             jnp.where(ok, self.flags[safe_row], self.flags[safe_row] | INVALID), mode="drop"
         )

@@ -131,8 +131,9 @@ class RingStorage:
 
     def crop(self, old: Array, new: Array, *, who: str, layers: Any) -> tuple[RingStorage, Array]:
         needed_from = jnp.maximum(new - self.window + 1, 0)
-        # Emptying a row (new == 0) needs no position back, whatever was evicted.
-        lost = (new < old) & (new > 0) & (self.starts > needed_from)  # [L_g, B]
+        # Emptying a row (new == 0) needs no position back, whatever was evicted; nor does a
+        # window of 1 (the next query sees only itself: positions needed_from..new-1 is empty).
+        lost = (new < old) & (new > 0) & (needed_from < new) & (self.starts > needed_from)  # [L_g, B]
         if not _is_traced(lost) and np.asarray(lost).any():
             local, row = (int(i) for i in np.argwhere(np.asarray(lost))[0])
             layer = int(layers[local]) if isinstance(layers, np.ndarray) else local
