@@ -6,6 +6,7 @@ The protocol every kind shares (random op programs against the NumPy model, eage
 vmap, scan over layers, donation, the overflow policy, traced bad row indices, the crop
 rule, pickling) is tested once per kind in test_conformance.py."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -490,6 +491,20 @@ def test_put_rows_mask_skips_unused_entries_without_flagging():
         big.put_rows(jnp.array([1, 0]), small, mask=jnp.array([1, 0]))
     with pytest.raises(ValueError, match="row index 2"):
         big.put_rows(jnp.array([1, B]), small, mask=jnp.array([True, True]))
+
+
+def test_put_rows_with_a_row_named_twice_takes_its_first_entry():
+    """Two entries onto one row: eagerly a ValueError; under jit the first entry, whole (keys,
+    lengths and flags of one entry: a scatter of both lands either one, leaf by leaf, in an
+    order the backend chooses)."""
+    big = filled_static()
+    small = empty_static(batch_size=2).update(*states(2, batch=2, seed=3), 0)[0]
+    small = dataclasses.replace(small, flags=jnp.array([0, OVERFLOW], jnp.int32))
+    with pytest.raises(ValueError, match=r"rows \[1\] appear more than once"):
+        big.put_rows(jnp.array([1, 1]), small)
+    got = jax.jit(lambda c, r: c.put_rows(r, small))(big, jnp.array([1, 1]))
+    want = big.put_rows(jnp.array([1]), small.batch_select_indices(jnp.array([0])))
+    chex.assert_trees_all_equal(got, want)
 
 
 def test_shape_errors_are_raised_at_trace_time_under_jit():

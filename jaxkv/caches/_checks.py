@@ -106,6 +106,26 @@ def _check_row_indices(indices: Any, batch: int, who: str) -> Array:
     return _narrow_in_range(indices, batch)
 
 
+def _distinct_entries(idx: Any, batch: int, who: str, padding: str) -> Array:
+    """``idx`` (int[N]; entries ``>= batch`` are padding or skipped) with each row named
+    once: a row named again is a ValueError when ``idx`` is concrete; traced, its entries
+    after the first become padding (``batch``), so the first wins on every backend (a
+    scatter of two entries onto one row lands either, leaf by leaf)."""
+    if not _is_traced(idx):
+        host = np.asarray(idx).reshape(-1)
+        values, counts = np.unique(host[(host >= 0) & (host < batch)], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(
+                f"{who}: rows {values[counts > 1].tolist()} appear more than once in {host.tolist()}; name each "
+                f"row once ({padding})."
+            )
+        return jnp.asarray(idx)
+    n = idx.shape[0]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+    repeat = jnp.any((idx[:, None] == idx[None, :]) & earlier, axis=1) & (idx < batch)
+    return jnp.where(repeat, jnp.asarray(batch, idx.dtype), idx)
+
+
 def _narrow_in_range(x: Array, stop: int) -> Array:
     """A traced integer array as int32, with every value outside ``[0, stop)`` -> -1.
 

@@ -80,6 +80,7 @@ from jaxkv.caches._checks import (
     OVERFLOW,
     _check_beam_idx,
     _check_layout,
+    _distinct_entries,
     _check_repeats,
     _check_reset_rows,
     _check_row_indices,
@@ -500,9 +501,10 @@ class KVCache:
 
         Raises:
           ValueError / TypeError: another structure or sizes (only the batch may differ),
-            a mask not bool[N], or an out-of-range row (eagerly). Under jit an out-of-range
-            row that is not masked is dropped and every row of the result is flagged
-            ``INVALID`` (``check()`` raises).
+            a mask not bool[N], an out-of-range row or a row named twice (eagerly). Under
+            jit an out-of-range row that is not masked is dropped and every row of the
+            result is flagged ``INVALID`` (``check()`` raises); a row named twice takes its
+            first entry (the later ones are skipped), on every backend.
         """
         who = f"{self._name}.put_rows"
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
@@ -535,6 +537,7 @@ class KVCache:
             idx, bad_row = jnp.where(bad, self.batch_size, idx), jnp.any(bad)
         if keep is not None:  # skipped entries: dropped like an out-of-range row, unflagged
             idx = jnp.where(keep, idx, self.batch_size)
+        idx = _distinct_entries(idx, self.batch_size, who, "mask= skips an entry")
 
         def put(x, part, axis):
             return x.at[(slice(None),) * axis + (idx,)].set(part.astype(x.dtype), mode="drop")

@@ -49,6 +49,7 @@ from jaxkv.caches._bits import from_bits, stored_dtype, to_bits
 from jaxkv.caches._checks import (
     INVALID,
     _check_row_indices,
+    _distinct_entries,
     _check_sizes,
     _floating_dtype,
     _is_traced,
@@ -421,19 +422,10 @@ def _distinct_rows(rows: Any, batch_size: int, who: str) -> Array:
     """:func:`_rows_or` for take/merge: padding is ``batch_size``, and a row named again
     after its first entry is an error (concrete rows) or padding (traced)."""
     idx = _rows_or(rows, batch_size, batch_size)  # 2**32 + 1 is padding, never row 1
-    if not _is_traced(rows):  # checked on the host (inside a trace ``idx`` is staged into it)
-        host = np.asarray(rows).reshape(-1)
-        values, counts = np.unique(host[(host >= 0) & (host < batch_size)], return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(
-                f"{who}: rows {values[counts > 1].tolist()} appear more than once in {host.tolist()}; name each row "
-                f"once (pad with {batch_size} or more: padding rows hold nothing)."
-            )
-        return idx
-    n = idx.shape[0]
-    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
-    repeat = jnp.any((idx[:, None] == idx[None, :]) & earlier, axis=1)
-    return jnp.where(repeat, jnp.int32(batch_size), idx)
+    # Checked on the host in the rows' own dtype (inside a trace ``idx`` is staged into it).
+    checked = _distinct_entries(rows if not _is_traced(rows) else idx, batch_size, who,
+                                f"pad with {batch_size} or more: padding rows hold nothing")
+    return idx if not _is_traced(rows) else checked
 
 
 @jax.jit
