@@ -89,7 +89,7 @@ def select_token(
     rather than skip the penalty. A row whose logits hold a NaN (the model's answer to a
     traced out-of-range id) gets :data:`NAN_TOKEN` (-1), never a valid-looking id.
     """
-    nan_rows = jnp.any(jnp.isnan(logits), axis=-1)
+    raw = logits
     logits = apply_penalties(logits, history, sampling)
     if sampling.is_greedy:
         picked = greedy(logits)
@@ -99,7 +99,27 @@ def select_token(
             return sample(row_logits[None], jax.random.fold_in(key, step), sampling)[0]
 
         picked = jax.vmap(one)(logits, row_keys)
-    return jnp.where(nan_rows, NAN_TOKEN, picked)
+    return nan_rows_as_nan_token(raw, picked)
+
+
+def poison_bad_lengths(input_ids: jax.Array, prompt_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows whose (traced) length is outside ``[1, P]`` are fed one token id -1 instead.
+
+    Such a length would read a padding position's logits as the first token (0), or take
+    padding as prompt (> P). The model embeds id -1 as NaN, so the row's logits and the
+    key/value it leaves are NaN, and every decoding loop turns a row of NaN logits into
+    :data:`NAN_TOKEN` (see :func:`nan_rows_as_nan_token`), as for a bad id. Valid rows are
+    unchanged.
+    """
+    bad = (prompt_lengths < 1) | (prompt_lengths > input_ids.shape[1])
+    input_ids = input_ids.at[:, 0].set(jnp.where(bad, -1, input_ids[:, 0]))
+    return input_ids, jnp.where(bad, 1, prompt_lengths)
+
+
+def nan_rows_as_nan_token(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``tokens`` ([...]) with :data:`NAN_TOKEN` where ``logits`` ([..., V]) hold a NaN: the
+    row was poisoned (a traced out-of-range id or length); no valid-looking id comes out."""
+    return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), NAN_TOKEN, tokens)
 
 
 def prefill(
@@ -135,13 +155,7 @@ def prefill(
             row = int(np.argmax(bad))
             raise ValueError(f"prefill: prompt_lengths[{row}] = {int(host[row])} is outside [1, {prompt_len}]")
     else:
-        # A traced length outside [1, P] would read a padding position's logits as the
-        # first token (0), or take padding as prompt (> P). Such a row is fed one token
-        # id -1 instead: the model embeds it as NaN, so the row's logits and the key/value
-        # it leaves are NaN and every token it yields is NAN_TOKEN, as for a bad id.
-        bad = (prompt_lengths < 1) | (prompt_lengths > prompt_len)
-        input_ids = input_ids.at[:, 0].set(jnp.where(bad, -1, input_ids[:, 0]))
-        prompt_lengths = jnp.where(bad, 1, prompt_lengths)
+        input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)
     if chunk_size is None or chunk_size >= prompt_len:
         # Only each row's last real prompt token needs logits: no [B, P, V] product.
         logits, cache = model(input_ids, cache, prompt_lengths, logits_at=prompt_lengths - 1)  # [B, 1, V]

@@ -84,9 +84,11 @@ class SamplingConfig:
         if not 0 <= self.temperature < float("inf"):  # NaN fails too; inf would make every logit 0 or NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature!r}")
         if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0
+            isinstance(self.top_k, (bool, np.bool_)) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0
         ):  # a bool is an int to Python, but top_k=True would silently mean greedy
             raise ValueError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
+        if self.top_k is not None:  # NumPy's ints too, kept as a Python int (a static setting)
+            object.__setattr__(self, "top_k", int(self.top_k))
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:  # NaN fails too

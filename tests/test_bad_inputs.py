@@ -168,6 +168,34 @@ def test_traced_bad_prompt_lengths_emit_nan_token(model):
         prefill(graphdef, state, jnp.asarray(ids), jnp.array([0, 3]), cache)
 
 
+@pytest.mark.parametrize("algorithm", ["sample_n", "speculative", "beam"])
+def test_every_decoding_loop_turns_traced_bad_rows_into_nan_token(model, algorithm):
+    """generate's rule, in sample_n, speculative_generate and beam_search: under an outer jit
+    a row holding an id >= V, or a length outside [1, P], emits NAN_TOKEN (beam: NaN score),
+    never ids picked from NaN logits or read from padding (they gave 0s or tokens of the
+    padding position, unmarked); the good row equals its eager run."""
+    ids = np.array([[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]], np.int32)
+    bad_ids = ids.copy()
+    bad_ids[0, 1] = V
+    calls = {
+        "sample_n": lambda ids, lengths: sample_n(model, ids, 3, num_return_sequences=1, key=jax.random.key(0),
+                                                  prompt_lengths=lengths)[:, 0],
+        "speculative": lambda ids, lengths: speculative_generate(model, model, ids, 3, num_draft_tokens=2,
+                                                                 prompt_lengths=lengths).tokens,
+        "beam": lambda ids, lengths: beam_search(model, ids, 3, num_beams=2, prompt_lengths=lengths),
+    }
+    call = calls[algorithm]
+    got = jax.jit(call)(bad_ids, jnp.array([4, 0, 3]))
+    want = call(ids, np.array([4, 4, 3]))
+    if algorithm == "beam":
+        assert np.isnan(np.asarray(got.scores[:2])).all() and np.isfinite(np.asarray(got.scores[2])).all()
+        np.testing.assert_array_equal(got.sequences[2], want.sequences[2])
+        got = got.sequences[:, 0]
+    else:
+        np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(got[:2], [[NAN_TOKEN] * 3] * 2)
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
 def test_select_token_never_turns_nan_logits_into_a_valid_id(sampling):
     logits = jnp.zeros((2, V)).at[0].set(jnp.nan).at[1, 5].set(10.0)

@@ -90,6 +90,15 @@ def test_bad_sampling_config(kwargs, match):
         SamplingConfig(**kwargs)
 
 
+def test_numpy_ints_are_a_top_k_like_any_other_int():
+    """NumPy ints are accepted as NumPy floats are for the other settings (top_k=np.int64(5)
+    was refused with "must be a non-negative int"), and kept as a Python int: the same
+    static config, so the same compiled program."""
+    config = SamplingConfig(top_k=np.int64(5))
+    assert type(config.top_k) is int and config == SamplingConfig(top_k=5)
+    assert hash(config) == hash(SamplingConfig(top_k=5))
+
+
 def test_greedy_equals_numpy_argmax_with_ties_infinities_and_nan():
     rng = np.random.default_rng(0)
     rows = [

@@ -50,7 +50,7 @@ from jaxkv.decoding._common import (
     forward,
     logits_at,
 )
-from jaxkv.generation import check_prompts, init_model_cache
+from jaxkv.generation import NAN_TOKEN, check_prompts, init_model_cache, poison_bad_lengths
 from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens
 
 __all__ = ["BeamSearchOutput", "beam_search"]
@@ -98,11 +98,16 @@ def _beam_search(
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     n, k = max_new_tokens, num_beams
-    keep = 2 * k  # HF: max(2, 1 + number of EOS ids) * num_beams
+    keep = 2 * k
+    input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)  # traced bad lengths: NaN rows  # HF: max(2, 1 + number of EOS ids) * num_beams
     # Each step feeds the chosen tokens (the last one too, whose logits go unused).
     cache = init_model_cache(model, batch, prompt_len + n, cache_dtype, cache_kind, fanout=k)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
-    logits = jnp.repeat(logits_at(logits, prompt_lengths - 1), k, axis=0)  # [B*K, V]
+    logits = logits_at(logits, prompt_lengths - 1)
+    # A row of NaN logits (a traced out-of-range id or length): every hypothesis of it is
+    # NAN_TOKEN with a NaN score, never ids picked from NaN.
+    poisoned = jnp.any(jnp.isnan(logits), axis=-1)  # [B]
+    logits = jnp.repeat(logits, k, axis=0)  # [B*K, V]
     cache = cache.batch_repeat_interleave(k)
     vocab = logits.shape[-1]
     row_offset = (jnp.arange(batch, dtype=jnp.int32) * k)[:, None]
@@ -199,7 +204,8 @@ def _beam_search(
         )
 
     c = jax.lax.while_loop(cond, body, carry)
-    return c["finished"], c["finished_lengths"], c["finished_scores"]
+    sequences = jnp.where(poisoned[:, None, None], NAN_TOKEN, c["finished"])
+    return sequences, c["finished_lengths"], jnp.where(poisoned[:, None], jnp.nan, c["finished_scores"])
 
 
 def beam_search(

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
-from jaxkv.generation import check_prompts, init_model_cache
+from jaxkv.generation import check_prompts, init_model_cache, nan_rows_as_nan_token, poison_bad_lengths
 from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens, sample
 
 __all__ = ["sample_keys", "sample_n"]
@@ -37,12 +37,12 @@ def sample_keys(key: jax.Array, batch_size: int, num_return_sequences: int) -> j
 
 
 def _sample_rows(logits, keys, step, config, history):  # [R, V], [R] keys, scalar -> [R]
-    logits = apply_penalties(logits, history, config)
+    penalized = apply_penalties(logits, history, config)
 
     def one(row_logits, key):
         return sample(row_logits[None], jax.random.fold_in(key, step), config)[0]
 
-    return jax.vmap(one)(logits, keys)
+    return nan_rows_as_nan_token(logits, jax.vmap(one)(penalized, keys))
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype",
@@ -52,6 +52,7 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     n = keys.shape[1]
+    input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)  # traced bad lengths: NAN_TOKEN rows
     # The last sampled token is never fed back, so it needs no slot.
     cache = init_model_cache(model, batch, prompt_len + max_new_tokens - 1, cache_dtype, cache_kind, fanout=n)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)

@@ -44,7 +44,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
-from jaxkv.generation import check_prompts, init_model_cache
+from jaxkv.generation import NAN_TOKEN, check_prompts, init_model_cache, nan_rows_as_nan_token, poison_bad_lengths
 from jaxkv.sampling import SamplingConfig, apply_penalties, greedy, init_history, record_tokens
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
@@ -95,6 +95,7 @@ def _speculative(
     batch, prompt_len = input_ids.shape
     n, k = max_new_tokens, num_draft_tokens
     rows = jnp.arange(batch)
+    input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)  # traced bad lengths: NAN_TOKEN rows
     greedy_mode = config.is_greedy
     # An unfinished row holds < n tokens, all but the last in the cache, and writes k + 1.
     capacity = prompt_len + n + k
@@ -116,6 +117,9 @@ def _speculative(
         first = greedy(t_logits)
     else:
         first = jax.random.categorical(first_key, filtered_logits(t_logits, config), axis=-1).astype(jnp.int32)
+    # A row of NaN logits (a traced out-of-range id or length) emits NAN_TOKEN, never an id
+    # picked from NaN; fed back, -1 keeps its logits NaN (every token it emits is -1).
+    first = nan_rows_as_nan_token(t_logits, first)
 
     # Room for a full round past n, so writes never need clipping.
     out = jnp.zeros((batch, n + k + 1), jnp.int32).at[:, 0].set(first)
@@ -198,9 +202,12 @@ def _speculative(
             dist = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
             final = jax.random.categorical(final_key, jnp.log(dist), axis=-1).astype(jnp.int32)
 
-        # Emit d_1..d_a, then `final`, at each active row's next slots.
+        # Emit d_1..d_a, then `final`, at each active row's next slots; a token whose
+        # target logits hold a NaN is NAN_TOKEN (as in generate), `final` included.
         j = jnp.arange(k + 1)
         emitted = jnp.where(j[None, :] < num_accepted[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), final[:, None])
+        emitted = jnp.where(jnp.any(jnp.isnan(p_logits), axis=-1), NAN_TOKEN, emitted)
+        final = emitted[rows, num_accepted]
         write = active[:, None] & (j[None, :] <= num_accepted[:, None])
         slots = jnp.where(write, c["count"][:, None] + j[None, :], n + k + 1)  # out of range: dropped
         out = c["out"].at[rows[:, None], slots].set(emitted, mode="drop")
