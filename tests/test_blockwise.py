@@ -284,3 +284,87 @@ def test_every_kind_reads_only_the_blocks_it_filled(kind, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     assert reads, "the loop never read a block"
     assert max(offset + size for offset, size in reads) <= 256, reads
+
+
+def _edge_case(seed=1):
+    rng = np.random.default_rng(seed)
+    batch, heads, groups, tokens, dim, slots, layers = 2, 1, 2, 2, 16, 40, 2
+    q = rng.standard_normal((batch, heads * groups, tokens, dim)).astype(np.float32)
+    k = rng.standard_normal((layers, batch, heads, slots, dim)).astype(np.float32)
+    v = rng.standard_normal((layers, batch, heads, slots, dim)).astype(np.float32)
+    kv_len, q_pos = np.array([33, 20]), np.array([[31, 32], [18, 19]], np.int32)
+    return q, k, v, kv_len, q_pos
+
+
+def test_gradient_is_finite_with_nan_in_unfilled_slots():
+    """jax.grad through attention (dense, XLA loop, kernel: its derivative is the loop's)
+    with NaN keys and inf values in every unfilled slot equals the gradient with zeros there
+    and the float64 reference's finite difference. It was NaN everywhere: the unseen slots'
+    zero cotangents met their NaN keys in the product's derivative."""
+    q, k, v, kv_len, q_pos = _edge_case()
+    dirty_k, dirty_v = k.copy(), v.copy()
+    for b, n in enumerate(kv_len):
+        dirty_k[:, b, :, n:], dirty_v[:, b, :, n:] = np.nan, np.inf
+        k[:, b, :, n:], v[:, b, :, n:] = 0.0, 0.0
+    dq = np.random.default_rng(2).standard_normal(q.shape)
+    options = dict(q_positions=jnp.asarray(q_pos), kv_lengths=jnp.asarray(kv_len), sliding_window=9, logit_softcap=4.0)
+    eps = 1e-4
+    finite_difference = np.sum(
+        numpy_attention(q + eps * dq, k[1], v[1], q_pos, kv_len, 9, 4.0)
+        - numpy_attention(q - eps * dq, k[1], v[1], q_pos, kv_len, 9, 4.0)
+    ) / (2 * eps)
+    for name in ("dense", "xla", "kernel"):
+        def loss(q, keys, values, name=name):
+            if name == "dense":
+                return jnp.sum(attend(q, keys[1], values[1], **options))
+            return jnp.sum(blockwise_attend(q, keys, values, layer_idx=1, implementation=name, **options))
+
+        dirty = np.asarray(jax.grad(loss)(jnp.asarray(q), jnp.asarray(dirty_k), jnp.asarray(dirty_v)))
+        clean = np.asarray(jax.grad(loss)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+        assert np.isfinite(dirty).all(), name
+        np.testing.assert_allclose(dirty, clean, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.sum(dirty * dq), finite_difference, rtol=1e-3, err_msg=name)
+
+
+def test_loop_edges_a_traced_scale_a_bad_layer_long_lengths_and_huge_positions():
+    """The XLA loop on inputs only the direct API can give it (each was silently wrong or a
+    bare tracer error; the kernel's answer, or a clear error, now on every path):
+    a traced scale under jit falls back to the loop (auto), a Python layer index outside
+    [0, L) is a ValueError (the loop clamped it onto layer L - 1), lengths past the capacity
+    read as the capacity (a block was counted twice), and a query at position 2**31 - 1 sees
+    the filled slots (the + 1 wrapped, so it saw nothing)."""
+    q, k, v, kv_len, q_pos = _edge_case()
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+
+    def run(implementation, q_pos=q_pos, kv_len=kv_len, scale=None, layer=1):
+        return np.asarray(blockwise_attend(*args, layer_idx=layer, q_positions=jnp.asarray(q_pos),
+                                           kv_lengths=jnp.asarray(kv_len), scale=scale, block_size=16,
+                                           implementation=implementation))
+
+    traced = jax.jit(lambda s: blockwise_attend(*args, layer_idx=1, q_positions=jnp.asarray(q_pos),
+                                                kv_lengths=jnp.asarray(kv_len), scale=s))(jnp.float32(0.3))
+    np.testing.assert_allclose(np.asarray(traced), run("xla", scale=0.3), rtol=1e-5, atol=1e-6)
+    for layer in (2, -1):
+        with pytest.raises(ValueError, match=rf"layer index {layer} is outside \[0, 2\)"):
+            run("xla", layer=layer)
+    full = np.array([40, 40])
+    want = numpy_attention(q, k[1], v[1], q_pos, full)
+    np.testing.assert_allclose(run("xla", kv_len=np.array([100, 60])), want, rtol=1e-5, atol=1e-6)
+    late = np.full_like(q_pos, 2**31 - 1)
+    np.testing.assert_allclose(run("xla", q_pos=late, kv_len=full), numpy_attention(q, k[1], v[1], np.full_like(q_pos, 39), full),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_logit_far_below_the_max_weighs_nothing(impl):
+    """A slot 200 below the top logit has weight e^-200: nothing, even under a value near
+    float32's max (the kernel floored every weight at e^-87, and 3e38 * e^-87 is 4.9)."""
+    q = np.zeros((1, 1, 1, 16), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, 1, 2, 16), np.float32)
+    k[..., 0, 0], k[..., 1, 0] = 400.0, -400.0  # logits +-100 at scale 1/4
+    v = np.zeros((1, 1, 1, 2, 16), np.float32)
+    v[..., 1, :] = 3e38
+    out = blockwise_attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layer_idx=0, q_positions=jnp.array([[1]]),
+                           kv_lengths=jnp.array([2]), implementation=impl)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)

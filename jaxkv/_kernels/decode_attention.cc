@@ -103,6 +103,9 @@ inline void from_float(float x, uint16_t* out) {  // round to nearest even, NaN 
 // exp(x) for x <= 0 in a form the compiler vectorises: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by its degree-6 Taylor polynomial (relative error ~1e-7), 2^n built in the exponent.
 inline float exp_nonpositive(float x) {
+  // Below -87 exp(x) is under float's smallest normal: 0 (clamping there gave every such
+  // weight e^-87, which a value near float's max turned into a visible output).
+  const bool under = x < -87.0f;
   x = std::max(x, -87.0f);
   float n = std::floor(x * 1.44269504f + 0.5f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -116,7 +119,7 @@ inline float exp_nonpositive(float x) {
   int32_t bits = (int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return under ? 0.0f : p * scale;
 }
 
 struct Problem {

@@ -155,6 +155,7 @@ def blockwise_attend(
         )
     if scale is None:
         scale = head_dim**-0.5
+    _check_layer(layer_idx, keys.shape[0], "blockwise_attend")
     args = (queries, keys, values, jnp.asarray(layer_idx, jnp.int32), q_positions.astype(jnp.int32),
             kv_lengths.astype(jnp.int32))
     xla = partial(
@@ -163,7 +164,20 @@ def blockwise_attend(
     )
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     why_not = None if implementation == "xla" else _kernel_unsuitable(queries, kv_dtype)
-    return _select("blockwise_attend", implementation, why_not, xla, kernel, args)
+    return _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)
+
+
+def _check_layer(layer: Any, num_layers: int, who: str) -> None:
+    """A concrete layer index outside ``[0, L)`` is a ValueError: the XLA loop's slice would
+    clamp it onto a real layer (silently another layer's attention) where the kernel refuses
+    it at run time. A traced one cannot be checked here (a cache's view of a traced bad
+    layer is flagged ``INVALID`` and reads as empty)."""
+    if isinstance(layer, jax.core.Tracer):
+        return
+    value = np.asarray(layer)
+    if value.ndim or not np.issubdtype(value.dtype, np.integer) or not 0 <= int(value) < num_layers:
+        raise ValueError(f"{who}: layer index {layer!r} is outside [0, {num_layers}) (the stacked buffers hold "
+                         f"{num_layers} layers).")
 
 
 def _check_implementation(who: str, implementation: str) -> None:
@@ -171,12 +185,14 @@ def _check_implementation(who: str, implementation: str) -> None:
         raise ValueError(f"{who}: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
 
 
-def _select(who, implementation, why_not, xla, kernel, args):
+def _select(who, implementation, why_not, xla, kernel, args, *, scale):
     """Runs ``kernel(*args)`` or ``xla(*args)`` (same function) as ``implementation`` and
     ``why_not`` (the inputs' reason the kernel cannot take them, or None) decide; the
     kernel's derivatives come from the XLA loop."""
     if implementation == "xla":
         return xla(*args)
+    if why_not is None and isinstance(scale, jax.core.Tracer):  # the XLA loop takes it as an operand
+        why_not = "the scale is traced, and the kernel takes it as a compile-time constant (pass a Python float)"
     platform = _default_platform()
     if why_not is None and platform != "cpu":  # checked first: available() runs the compiler
         why_not = f"the default device is a {platform} device and the native kernel runs on CPU only"
@@ -406,7 +422,10 @@ def _blockwise_loop(
 
     # Trip count from the data: blocks past every row's fill (and past every query) are
     # never read; with a window, blocks before every query's window are skipped too.
-    end = jnp.minimum(jnp.max(kv_len), jnp.max(q_pos) + 1)
+    # Lengths past the capacity read as the capacity (a block is never read twice), and a
+    # query position is capped below S before the + 1 (2**31 - 1 would wrap to negative).
+    kv_len = jnp.minimum(kv_len, num_slots)
+    end = jnp.minimum(jnp.max(kv_len), jnp.minimum(jnp.max(q_pos), num_slots - 1) + 1)
     stop = (end + block - 1) // block
     start = jnp.int32(0)
     if sliding_window is not None:
@@ -414,7 +433,7 @@ def _blockwise_loop(
     # Blocks that every query of every row sees in full (filled, not in the future, inside
     # the window) need no mask at all: they run a lighter loop body. Only the blocks at the
     # edges (the last, partly filled one, ragged rows, the window's start) pay for masks.
-    full_end = jnp.minimum(jnp.min(kv_len), jnp.min(q_pos) + 1)
+    full_end = jnp.minimum(jnp.min(kv_len), jnp.minimum(jnp.min(q_pos), num_slots - 1) + 1)
     fast_lo = start
     if sliding_window is not None:
         fast_lo = jnp.maximum(start, (jnp.maximum(jnp.max(q_pos) - sliding_window + 1, 0) + block - 1) // block)
@@ -427,10 +446,16 @@ def _blockwise_loop(
         # read is harmless here) and mask out the slots an earlier block already covered.
         offset = jnp.minimum(first, num_slots - size) if clamp else first
         k_blk, v_blk = read_block(offset, size)  # [B, H, blk, D]
+        # A slot with a non-finite key element gets a NaN logit (as its raw product would be
+        # non-finite) from a product over zeroed elements: the derivatives then never meet
+        # 0 * NaN from a slot the queries do not see (jax.grad was NaN everywhere).
+        finite_keys = jnp.isfinite(k_blk)
+        bad_keys = ~jnp.all(finite_keys, axis=-1)[:, :, :, None, None]  # [B, H, blk, 1, 1]
+        k_blk = jnp.where(finite_keys, k_blk, jnp.zeros((), k_blk.dtype))
         # Slot-major logits [B, H, blk, G, T]: keys stream through as the row-major operand
         # of the product, which XLA:CPU runs several times faster than the transposed form.
         logits = jnp.einsum("bhsd,bhgtd->bhsgt", k_blk, q, preferred_element_type=jnp.float32) * scale
-        return first, offset, logits, v_blk
+        return first, offset, jnp.where(bad_keys, jnp.nan, logits), v_blk
 
     def softcap(logits):
         return logits if logit_softcap is None else logit_softcap * jnp.tanh(logits / logit_softcap)
@@ -459,7 +484,8 @@ def _blockwise_loop(
         finite_values = jnp.isfinite(v_blk)
         bad_slot = ~jnp.all(finite_values, axis=-1)[:, :, :, None, None] | ~jnp.isfinite(logits)  # [B, H, blk, G, T]
         marked = jnp.any(visible & bad_slot, axis=2)  # [B, H, G, T]
-        logits = jnp.where(visible & ~bad_slot, softcap(logits), -jnp.inf)
+        keep = visible & ~bad_slot  # the soft cap sees only kept logits (tanh' of NaN is NaN)
+        logits = jnp.where(keep, softcap(jnp.where(keep, logits, 0.0)), -jnp.inf)
         v_blk = jnp.where(finite_values & filled[:, None, :, None], v_blk, jnp.zeros((), v_blk.dtype))
         running_max, running_sum, acc = accumulate(carry, logits, v_blk, lambda w: jnp.where(visible, w, 0.0))
         return running_max, running_sum, jnp.where(marked[..., None], jnp.nan, acc)
@@ -553,6 +579,7 @@ def quantized_blockwise_attend(
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("quantized_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
+    _check_layer(view.layer, view.keys.shape[0], "quantized_blockwise_attend")
     args = (queries, view.keys, view.values, view.key_scales, view.value_scales, view.residual_keys,
             view.residual_values, view.residual_positions.astype(jnp.int32), jnp.asarray(view.layer, jnp.int32),
             q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32))
@@ -568,7 +595,7 @@ def quantized_blockwise_attend(
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
                      bits=view.bits)
     why_not = None if implementation == "xla" else _quantized_kernel_unsuitable(queries, view)
-    return _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args)
+    return _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)
 
 
 def _quantized_kernel_unsuitable(queries: jax.Array, view) -> str | None:
@@ -666,6 +693,7 @@ def paged_blockwise_attend(
     _check_implementation("paged_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
     scales = (view.key_scales, view.value_scales) if view.bits else ()
+    _check_layer(view.layer, view.keys.shape[0], "paged_blockwise_attend")
     args = (queries, view.keys, view.values, *scales, jnp.asarray(view.layer, jnp.int32),
             q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), view.block_table)
 
@@ -702,4 +730,4 @@ def paged_blockwise_attend(
             why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True,
                      bits=view.bits or 0)
-    return _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args)
+    return _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)

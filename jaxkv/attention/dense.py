@@ -220,14 +220,23 @@ def attend(
         return jnp.where(marked[..., None], jnp.nan, out)
 
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
+    # Non-finite key elements are zeroed before the product and their slots marked bad: the
+    # forward is the same (a non-finite raw logit marks the query that sees it), and the
+    # derivatives never multiply a zero cotangent by an unseen slot's NaN (jax.grad was NaN
+    # everywhere when any unfilled slot held one).
+    finite_keys = jnp.isfinite(keys)
+    bad_keys = ~jnp.all(finite_keys, axis=-1)  # [B, H, S]
+    keys = jnp.where(finite_keys, keys, jnp.zeros((), keys.dtype))
     logits = jnp.einsum("bhgtd,bhsd->bhgts", q, keys, preferred_element_type=jnp.float32) * scale
     mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
-    bad = ~jnp.isfinite(logits) | bad_values[:, :, None, None, :]  # [B, H, G, T, S]
+    bad = ~jnp.isfinite(logits) | (bad_keys | bad_values)[:, :, None, None, :]  # [B, H, G, T, S]
     marked = jnp.any(mask & bad, axis=-1)  # [B, H, G, T]
+    # Masking with where (not by adding -inf) keeps NaN logits of unseen slots out; the
+    # soft cap sees only the kept logits (tanh' of a NaN would poison the derivative).
+    mask = mask & ~bad
+    logits = jnp.where(mask, logits, 0.0)
     if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-    # Masking with where (not by adding -inf) keeps NaN logits of unseen slots out.
-    mask = mask & ~bad
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a query that sees nothing

@@ -91,6 +91,7 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.attention.blockwise import (
+    _check_layer,
     _default_platform,
     _local_axes,
     blockwise_attend,
@@ -220,6 +221,8 @@ def pallas_attend_view(
         >>> out = pallas_attend_view(q, view, q_positions=positions)         # doctest: +SKIP
     """
     why = unsupported_reason(queries, view)
+    if why is None:
+        _check_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
     if why is not None:
         raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
     batch, num_q_heads, num_tokens, head_dim = queries.shape
@@ -561,7 +564,8 @@ def _query_rows(queries, q_positions, num_kv_heads):
 def _row_bounds(q_positions, lengths, window, num_slots, block_k, extra=()):
     """int32[B, 8]: length, first slot any query of the row sees (block-aligned), one past
     the last; then ``extra`` columns."""
-    hi = jnp.clip(jnp.minimum(lengths, jnp.max(q_positions, axis=1) + 1), 0, num_slots)
+    # Capped below S before the + 1: a position of 2**31 - 1 would wrap to negative.
+    hi = jnp.clip(jnp.minimum(lengths, jnp.minimum(jnp.max(q_positions, axis=1), num_slots - 1) + 1), 0, num_slots)
     lo = jnp.where(window > 0, jnp.maximum(jnp.min(q_positions, axis=1) - window + 1, 0), 0)
     lo = jnp.minimum(lo // block_k * block_k, hi)
     columns = [lengths, lo, hi, *extra]
