@@ -99,6 +99,11 @@ def test_static_batches_give_the_same_tokens_in_more_steps(model, alone, eos, lo
 def test_rejects_requests_that_do_not_fit(loop, model):
     with pytest.raises(ValueError, match="needs 33 cache slots .* but max_length is 32"):
         loop.run([Request([1] * 30, 4)])
+    # A request without an id is named by its index (it was "request None" for all of them).
+    with pytest.raises(ValueError, match=r"ServingLoop.run: request 1 needs 33 cache slots"):
+        loop.run([Request([1], 4), Request([1] * 30, 4)])
+    with pytest.raises(ValueError, match=r"request 'b' needs 33 cache slots"):
+        loop.run([Request([1], 4), Request([1] * 30, 4, id="b")])
     with pytest.raises(ValueError, match="empty prompt"):
         loop.run([Request([], 4)])
     with pytest.raises(ValueError, match="policy must be"):

@@ -176,6 +176,23 @@ def test_stop_tokens_and_streaming(model, reference):
     assert eng._cache.free_pages == pool - len(eng.prefix)
     assert not (np.asarray(eng._cache.block_table) >= 0).any() and not np.asarray(eng._cache.lengths).any()
     assert [list(r.tokens) for r in eng.run([EngineRequest(p, N) for p in PROMPTS])] == reference
+    # One run or stream at a time: a second one while a stream is open used to empty the
+    # open stream's rows (or have its rows emptied when that stream closed), and both went
+    # on decoding from emptied rows: wrong tokens, no error.
+    first = eng.stream([EngineRequest(p, N) for p in PROMPTS])
+    tokens = {i: [] for i in range(len(PROMPTS))}
+    rid, token = next(first)
+    tokens[rid].append(token)
+    with pytest.raises(RuntimeError, match="another run or stream of this engine is still open"):
+        eng.run([EngineRequest(PROMPTS[0], N)])
+    second = eng.stream([EngineRequest(PROMPTS[0], N)])
+    with pytest.raises(RuntimeError, match="still open"):
+        next(second)
+    for rid, token in first:  # the open stream is untouched by the refused calls
+        tokens[rid].append(token)
+    assert [tokens[i] for i in range(len(PROMPTS))] == reference
+    # A generator of requests is served (run() took len() of it after serving, and failed).
+    assert [list(r.tokens) for r in eng.run(EngineRequest(p, N) for p in PROMPTS)] == reference
     # Pages pinned outside the engine's index can starve a request with no row running: an
     # error, not a loop that never ends.
     starved = engine(model, prefix_cache=False)
@@ -246,6 +263,8 @@ def test_bad_requests_are_refused(model):
     ]:
         with pytest.raises(ValueError, match=match):
             eng.run([bad])
+    with pytest.raises(TypeError, match=r"request 0 stop_token_ids must be a sequence of token ids .* got 44"):
+        eng.run([EngineRequest([1], 2, stop_token_ids=44)])  # was a bare "'int' object is not iterable"
     for seed in (2.7, 2.0, True, "2"):  # 2.7 used to be truncated to 2 silently
         with pytest.raises(TypeError, match="request 0 seed must be an int"):
             eng.run([EngineRequest([1], 2, temperature=1.0, seed=seed)])

@@ -51,6 +51,7 @@ import collections
 import dataclasses
 import hashlib
 import numbers
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -338,6 +339,7 @@ class PagedEngine:
         self._pin = _pin_program
         self._history: TokenHistory | None = None  # [R, V] per row, made when a request first has a penalty
         self.stats: dict[str, float] = {}
+        self._open: object | None = None  # the run or stream now using the cache's rows
 
     @property
     def compile_counts(self) -> dict[str, int]:
@@ -373,13 +375,19 @@ class PagedEngine:
         if _has_penalty(request) and self._vocab_size is None:
             raise ValueError(f"{who}: request {index} has a penalty, which needs the vocabulary size; the model has "
                              "no config.vocab_size")
-        check_integer_ids(list(request.stop_token_ids), who, f"request {index} stop_token_ids")
+        try:
+            stops = list(request.stop_token_ids)
+        except TypeError:
+            raise TypeError(f"{who}: request {index} stop_token_ids must be a sequence of token ids (e.g. (2,)), got "
+                            f"{request.stop_token_ids!r}") from None
+        check_integer_ids(stops, who, f"request {index} stop_token_ids")
         check_token_ids(list(request.stop_token_ids), self._vocab_size, who, name=f"requests[{index}].stop_token_ids")
 
     # ---- the loop
 
     def run(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
         """Serves ``requests`` to completion; results in request order (see :meth:`stream`)."""
+        requests = list(requests)  # a generator would be used up before the results are ordered
         results: dict[int, EngineResult] = {}
         for event in self._serve(requests):
             if isinstance(event, _Done):
@@ -387,19 +395,37 @@ class PagedEngine:
         return [results[i] for i in range(len(requests))]
 
     def stream(self, requests: Sequence[EngineRequest]) -> Iterator[tuple[Any, int]]:
-        """Serves ``requests``, yielding ``(request id, token)`` as each token is produced."""
+        """Serves ``requests``, yielding ``(request id, token)`` as each token is produced.
+
+        One run or stream uses the engine's rows at a time: starting another while a stream
+        is still open (neither iterated to its end nor closed) raises RuntimeError. Close a
+        stream left part-way (``stream.close()``, or leave the ``for`` loop and drop it).
+        """
         for event in self._serve(requests):
             if isinstance(event, tuple):
                 yield event
 
     def _serve(self, requests: Sequence[EngineRequest]):
+        # One run or stream at a time: each keeps its own row bookkeeping over the one cache,
+        # and emptying the rows at its start or end would empty another's mid-run (it then
+        # decoded from emptied rows: wrong tokens, no error).
+        if self._open is not None:
+            raise RuntimeError(
+                "PagedEngine: another run or stream of this engine is still open (a stream neither iterated to its "
+                "end nor closed) and uses its rows. Finish it or close it (stream.close()) first, or use a second "
+                "engine."
+            )
+        self._open = token = object()
         # A stream abandoned part-way (a break out of stream(), an exception) leaves rows
         # holding pages: they are emptied when it is closed, and at the start of every run.
-        self._empty_rows()
         try:
+            self._empty_rows()
             yield from self._serve_steps(requests)
         finally:
-            self._empty_rows()
+            if self._open is token:
+                self._open = None
+                if not sys.is_finalizing():  # a stream still open at interpreter exit: nothing to free
+                    self._empty_rows()
 
     def _empty_rows(self) -> None:
         held = np.flatnonzero((np.asarray(self._cache.block_table) >= 0).any(axis=1)

@@ -202,7 +202,7 @@ class ServingLoop:
 
     def _check(self, request: Request, index: int, who: str) -> None:
         check_request(request.prompt, request.max_new_tokens, request.arrival, self.max_length, self._vocab_size,
-                      who, index, f"request {request.id!r}")
+                      who, index, f"request {index}" if request.id is None else f"request {request.id!r}")
 
     def run(self, requests: Sequence[Request]) -> list[Completion]:
         """Serves ``requests`` to completion; returns their completions in request order.
