@@ -9,7 +9,7 @@ them), so chunked, batched, prefix-hit and preempted runs must agree token for t
 import numpy as np
 import pytest
 
-from jaxkv.decoding.engine import EngineRequest, PagedEngine
+from jaxkv.decoding.engine import EngineRequest, PagedEngine, _step_program
 from test_decoding_reference import clear_greedy_reference, make_model
 
 V, N, PS = 64, 6, 4
@@ -39,6 +39,9 @@ def engine(model, **kw):
 
 
 def test_greedy_matches_the_uncached_reference_with_prefix_hits_and_preemption(model, reference):
+    # Compile counts below are this run's own: programs an earlier test of this worker
+    # compiled for the same model and sizes would be reused (and counted 0; order-dependent).
+    _step_program.clear_cache()
     eng = engine(model)
     # Request 3 arrives late: the shared pages are indexed by then.
     reqs = [EngineRequest(p, N, arrival=(6 if i == 3 else 0)) for i, p in enumerate(PROMPTS)]
