@@ -249,3 +249,29 @@ def test_kv_attention_layer_and_window_per_call():
     windowed = KVAttention(16, 2, 1, 8, layer_idx=0, sliding_window=4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="asks for sliding_window=2 but the module was built with 4"):
         windowed(x, cache, positions=positions, sliding_window=2)
+
+
+@pytest.mark.parametrize("layout", [True, False], ids=["scan", "unrolled"])
+def test_an_eager_call_that_overflows_raises_in_both_layouts(layout):
+    """Called eagerly, a forward that overflows a static cache or finds no free page raises,
+    whatever the layout. The scanned layout traces every write, so it dropped and flagged
+    them and returned wrong logits with no error (off by 2.3 against the uncached forward)."""
+    model = make_model(2, scan_layers=layout)
+    tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+    with pytest.raises(ValueError, match="overflow"):
+        model(tokens, model.init_cache(2, 4))
+    with pytest.raises(ValueError, match="(out of pages|no free page)"):
+        model(tokens, model.init_cache(2, 16, kind="paged", page_size=4, num_pages=2))
+    logits, cache = model(tokens, model.init_cache(2, 8))  # a call that fits is unchanged
+    assert cache.seq_lengths(0).tolist() == [5, 5] and np.isfinite(np.asarray(logits)).all()
+
+
+def test_a_cache_of_another_geometry_is_named_in_the_error():
+    """A DynamicCache of 3 layers for a 2-layer model: the message says 3 (it said None)."""
+    from jaxkv import DynamicCache
+
+    model = make_model(2)
+    with pytest.raises(ValueError, match=r"cache has \(layers, kv_heads, head_dim, batch\) = \(3, None, None, None\)"):
+        model(jnp.zeros((1, 2), jnp.int32), DynamicCache(num_layers=3))
+    with pytest.raises(ValueError, match=r"= \(2, 2, 16, 3\), the model needs \(2, 2, 16, 1\)"):
+        model(jnp.zeros((1, 2), jnp.int32), model.init_cache(3, 8))

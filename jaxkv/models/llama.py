@@ -666,6 +666,8 @@ class Llama(nnx.Module):
             names = ("num_layers", "num_kv_heads", "head_dim", "batch_size")
             want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, tokens.shape[0])
             got = tuple(getattr(cache, n, None) for n in names)
+            if got[0] is None and len(cache):  # a DynamicCache: its layers are its length
+                got = (len(cache),) + got[1:]
             if any(g is not None and g != w for g, w in zip(got, want)) or len(cache) not in (0, want[0]):
                 raise ValueError(
                     f"cache has (layers, kv_heads, head_dim, batch) = {got}, the model needs {want}; "
@@ -688,7 +690,18 @@ class Llama(nnx.Module):
         x = jnp.where(in_vocab[..., None], x, jnp.asarray(jnp.nan, x.dtype))
         is_real = True if num_new is None else jnp.arange(num_tokens)[None, :] < jnp.asarray(num_new)[:, None]
         bad_row = jnp.any(~in_vocab & is_real, axis=1)  # [B]; padding is never stored, so it may hold anything
+        flagged = getattr(cache, "self_attention", cache)  # the part an EncoderDecoderCache writes
+        eager_scan = self.scan_layers and isinstance(flagged, KVCache) and not isinstance(x, jax.core.Tracer)
+        before = np.asarray(flagged.flags) if eager_scan else None
         x, cache = self._run_layers(x, cache, positions=positions, num_new=num_new, rope=rope)
+        if eager_scan:
+            # Called eagerly, the unrolled layout's writes raise on overflow (or an empty page
+            # pool); the scan traces every write, so they drop and flag instead. The same
+            # error here, from the flags this call set (it returned wrong logits silently).
+            after = getattr(cache, "self_attention", cache)
+            new = np.asarray(after.flags) & ~before
+            if new.any():
+                dataclasses.replace(after, flags=jnp.asarray(new)).check()
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, E]
         x = self.norm(x)
