@@ -313,17 +313,19 @@ def test_gradient_is_finite_with_nan_in_unfilled_slots():
         numpy_attention(q + eps * dq, k[1], v[1], q_pos, kv_len, 9, 4.0)
         - numpy_attention(q - eps * dq, k[1], v[1], q_pos, kv_len, 9, 4.0)
     ) / (2 * eps)
-    for name in ("dense", "xla", "kernel"):
-        def loss(q, keys, values, name=name):
-            if name == "dense":
-                return jnp.sum(attend(q, keys[1], values[1], **options))
-            return jnp.sum(blockwise_attend(q, keys, values, layer_idx=1, implementation=name, **options))
+    def losses(q, keys, values):  # one program: eagerly each gradient compiled op by op
+        return (jnp.sum(attend(q, keys[1], values[1], **options)),
+                *(jnp.sum(blockwise_attend(q, keys, values, layer_idx=1, implementation=name, **options))
+                  for name in ("xla", "kernel")))
 
-        dirty = np.asarray(jax.grad(loss)(jnp.asarray(q), jnp.asarray(dirty_k), jnp.asarray(dirty_v)))
-        clean = np.asarray(jax.grad(loss)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
-        assert np.isfinite(dirty).all(), name
-        np.testing.assert_allclose(dirty, clean, rtol=1e-5, atol=1e-6, err_msg=name)
-        np.testing.assert_allclose(np.sum(dirty * dq), finite_difference, rtol=1e-3, err_msg=name)
+    grads = jax.jit(jax.jacrev(losses))
+    dirty = grads(jnp.asarray(q), jnp.asarray(dirty_k), jnp.asarray(dirty_v))
+    clean = grads(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    for name, d, c in zip(("dense", "xla", "kernel"), dirty, clean):
+        d = np.asarray(d)
+        assert np.isfinite(d).all(), name
+        np.testing.assert_allclose(d, np.asarray(c), rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.sum(d * dq), finite_difference, rtol=1e-3, err_msg=name)
 
 
 def test_loop_edges_a_traced_scale_a_bad_layer_long_lengths_and_huge_positions():
