@@ -76,7 +76,7 @@ def test_sharding_preserved_on_eight_virtual_devices():
 
 
 ATTENTION = textwrap.dedent(
-    """
+    r"""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxkv import StaticCache
@@ -134,15 +134,56 @@ ATTENTION = textwrap.dedent(
     assert calls and all("f32[1,2,1,16]" in line.split("custom-call")[0] for line in calls), calls
     assert not [line for line in hlo.splitlines() if "all-gather" in line and ",64," in line]
     assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4), got.sharding
+
+    # The Pallas GPU kernels (interpret mode here) split the same way: contiguous, int4 with
+    # residual and paged int8 give the unsharded result, come back sharded, and nothing is
+    # gathered but the small per-row operands (before, XLA gathered every layer of the cache
+    # onto every device for them and returned the output replicated).
+    def pallas_kernels_run_per_shard():
+        import os, re
+        from jaxkv import PagedCache
+        from jaxkv.attention import attend_view
+
+        os.environ["JAXKV_PALLAS_GPU"] = "1"  # read when tracing: the kernels wherever they apply
+        spec = NamedSharding(mesh, P("data", "model"))
+        k, v = (rng.standard_normal((4, 2, 7, 32)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((4, 4, 2, 32)).astype(np.float32)
+        num_new = jnp.array([7, 3, 1, 4], jnp.int32)
+        sizes = dict(num_layers=2, batch_size=4, num_kv_heads=2, head_dim=32, max_length=64)
+        kinds = {
+            "static": lambda s: StaticCache.init(sharding=s, **sizes),
+            "int4 + residual": lambda s: QuantizedCache.init(bits=4, residual_length=2, sharding=s, **sizes),
+            "paged int8": lambda s: PagedCache.init(page_size=16, num_pages=16, bits=8, sharding=s, **sizes),
+        }
+
+        def attend(cache, q):  # two queries per row at its last two positions, over layer 1
+            positions = jnp.maximum(cache.seq_lengths(1)[:, None] - 2 + jnp.arange(2, dtype=jnp.int32), 0)
+            return attend_view(q, cache.view(1), q_positions=positions)
+
+        fill = jax.jit(lambda cache, k, v: cache.update(k, v, 1, num_new=num_new)[0])
+        for name, make in kinds.items():
+            want = jax.jit(attend)(fill(make(None), k, v), q)
+            cache, q_sharded = fill(make(spec), put(k), put(v)), put(q)
+            assert "pallas_call" in str(jax.make_jaxpr(attend)(cache, q_sharded)), name
+            got = jax.jit(attend)(cache, q_sharded)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
+            assert got.sharding.is_equivalent_to(spec, 4), (name, got.sharding)
+            # A layer of the cache is 4 x 2 x 64 x 32 elements, the queries 4 x 4 x 2 x 32.
+            hlo = jax.jit(attend).lower(cache, q_sharded).compile().as_text()
+            gathered = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+                        for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
+            assert max(gathered, default=0) <= 4 * 4 * 2 * 32, (name, gathered)
+
+    pallas_kernels_run_per_shard()
     print("ok")
     """
 )
 
 
 def test_attention_over_a_sharded_cache_equals_unsharded():
-    """Decode attention (the native kernel on CPU) over a cache sharded by rows and kv heads
-    gives the unsharded result, runs on each device's own shard (no gathered cache) and
-    leaves the cache sharded."""
+    """Decode attention (the native kernel on CPU; the Pallas GPU kernels in interpret mode)
+    over a cache sharded by rows and kv heads gives the unsharded result, runs on each
+    device's own shard (no gathered cache) and leaves the cache sharded."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
@@ -242,67 +283,4 @@ def test_every_kind_shards_like_a_static_cache():
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run([sys.executable, "-c", KINDS], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
-
-
-PALLAS = textwrap.dedent(
-    r"""
-    import os
-    import re
-
-    os.environ["JAXKV_PALLAS_GPU"] = "1"  # the Pallas kernels wherever they apply (interpret mode off a GPU)
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jaxkv import PagedCache, QuantizedCache, StaticCache
-    from jaxkv.attention import attend_view
-
-    assert jax.device_count() == 8, jax.devices()
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    spec = NamedSharding(mesh, P("data", "model"))
-    rng = np.random.default_rng(0)
-    k, v = (rng.standard_normal((4, 2, 7, 32)).astype(np.float32) for _ in range(2))
-    q = rng.standard_normal((4, 4, 2, 32)).astype(np.float32)
-    num_new = jnp.array([7, 3, 1, 4], jnp.int32)
-    sizes = dict(num_layers=2, batch_size=4, num_kv_heads=2, head_dim=32, max_length=64)
-    kinds = {
-        "static": lambda s: StaticCache.init(sharding=s, **sizes),
-        "int4 + residual": lambda s: QuantizedCache.init(bits=4, residual_length=2, sharding=s, **sizes),
-        "paged int8": lambda s: PagedCache.init(page_size=16, num_pages=16, bits=8, sharding=s, **sizes),
-    }
-
-
-    def attend(cache, q):  # two queries per row at its last two positions, over layer 1
-        positions = jnp.maximum(cache.seq_lengths(1)[:, None] - 2 + jnp.arange(2, dtype=jnp.int32), 0)
-        return attend_view(q, cache.view(1), q_positions=positions)
-
-
-    fill = jax.jit(lambda cache, k, v: cache.update(k, v, 1, num_new=num_new)[0])
-    put = lambda x: jax.device_put(jnp.asarray(x), spec)
-    for name, make in kinds.items():
-        want = jax.jit(attend)(fill(make(None), k, v), q)
-        cache, q_sharded = fill(make(spec), put(k), put(v)), put(q)
-        assert "pallas_call" in str(jax.make_jaxpr(attend)(cache, q_sharded)), name  # the kernel, not the XLA loop
-        got = jax.jit(attend)(cache, q_sharded)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
-        assert got.sharding.is_equivalent_to(spec, 4), (name, got.sharding)
-        # Each device reads its own rows and kv heads: nothing is gathered but the small
-        # per-row operands (a layer of the cache is 4 x 2 x 64 x 32 elements, the queries 4 x 4 x 2 x 32).
-        hlo = jax.jit(attend).lower(cache, q_sharded).compile().as_text()
-        gathered = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
-                    for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)]
-        assert max(gathered, default=0) <= 4 * 4 * 2 * 32, (name, gathered)
-    print("ok")
-    """
-)
-
-
-def test_pallas_kernels_over_a_sharded_cache_run_per_shard():
-    """The Pallas GPU kernels (interpret mode here, JAXKV_PALLAS_GPU=1) over a cache sharded by
-    rows and kv heads: contiguous, int4 with residual, paged int8 give the unsharded result,
-    come back sharded, and nothing gathers the cache for them (before, XLA gathered every
-    layer of the cache onto every device and returned the output replicated)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run([sys.executable, "-c", PALLAS], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
