@@ -221,10 +221,9 @@ def pallas_attend_view(
         >>> out = pallas_attend_view(q, view, q_positions=positions)         # doctest: +SKIP
     """
     why = unsupported_reason(queries, view)
-    if why is None:
-        _check_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
     if why is not None:
         raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
+    _check_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     paged = isinstance(view, PagedView)
     num_slots = view.num_slots if paged else view.keys.shape[3]

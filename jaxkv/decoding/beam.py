@@ -98,8 +98,8 @@ def _beam_search(
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     n, k = max_new_tokens, num_beams
-    keep = 2 * k
-    input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)  # traced bad lengths: NaN rows  # HF: max(2, 1 + number of EOS ids) * num_beams
+    keep = 2 * k  # HF: max(2, 1 + number of EOS ids) * num_beams
+    input_ids, prompt_lengths = poison_bad_lengths(input_ids, prompt_lengths)  # traced bad lengths: NaN rows
     # Each step feeds the chosen tokens (the last one too, whose logits go unused).
     cache = init_model_cache(model, batch, prompt_len + n, cache_dtype, cache_kind, fanout=k)
     logits, cache = forward(graphdef, state, input_ids, cache, prompt_lengths)
