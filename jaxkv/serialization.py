@@ -178,7 +178,7 @@ def _restore_array(leaf: Any, state: dict[str, Any], key: str, who: str, *, free
 
 def _restore_dynamic(target: Any, state: dict[str, Any], prefix: str, who: str, used: set[str]) -> Any:
     """A DynamicCache's layers [B, H, S, D] from ``state``: any length S; a layer the target
-    has seeded must agree in dtype, B, H and D; an unseeded one takes the saved arrays."""
+    has seeded must agree in dtypes, B, H and D; an unseeded one takes the saved arrays."""
     from jaxkv.caches.dynamic import DynamicCache
 
     layers = []
@@ -195,11 +195,14 @@ def _restore_dynamic(target: Any, state: dict[str, Any], prefix: str, who: str, 
             layers.append(tuple(_restore_array(x, state, k, who, free=(2,)) for x, k in zip(mine, keys)))
             continue
         pair = [np.asarray(state[k]) for k in keys]
-        floating = jnp.issubdtype(pair[0].dtype, jnp.floating)  # bfloat16 included
-        if pair[0].ndim != 4 or pair[0].shape != pair[1].shape or pair[0].dtype != pair[1].dtype or not floating:
+        # Keys and values may differ in float dtype, as DynamicCache.update takes them (and
+        # transformers' DynamicCache); shapes must agree.
+        floating = all(jnp.issubdtype(x.dtype, jnp.floating) for x in pair)  # bfloat16 included
+        if pair[0].ndim != 4 or pair[0].shape != pair[1].shape or not floating:
             raise ValueError(
                 f"{who}: {keys[0]} / {keys[1]} were saved as {pair[0].dtype}{list(pair[0].shape)} / "
-                f"{pair[1].dtype}{list(pair[1].shape)}; a DynamicCache layer is a pair of equal float [B, H, S, D]."
+                f"{pair[1].dtype}{list(pair[1].shape)}; a DynamicCache layer is a pair of float [B, H, S, D] of one "
+                "shape."
             )
         layers.append(tuple(jnp.asarray(x) for x in pair))
     return DynamicCache(tuple(layers))

@@ -562,3 +562,23 @@ def test_a_cache_of_no_rows_has_length_zero():
     empty = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4).batch_select_indices(
         jnp.zeros((0,), jnp.int32))
     assert empty.batch_size == 0 and empty.get_seq_length(0) == 0
+
+
+def test_mixed_dtype_dynamic_layers_round_trip_and_torch_bfloat16_is_named():
+    """A DynamicCache layer of float32 keys and bfloat16 values (as transformers allows) was
+    saved by flax's to_bytes and refused by from_bytes: restored now, dtypes kept. A torch
+    bfloat16 tensor (NumPy cannot hold it) gets a message saying what to do, not torch's
+    bare "unsupported ScalarType"."""
+    from flax import serialization
+
+    import jaxkv.nnx  # noqa: F401  (registers the kinds with flax)
+
+    k = jnp.arange(8, dtype=jnp.float32).reshape(1, 1, 2, 4)
+    mixed, _, _ = DynamicCache().update(k, k.astype(jnp.bfloat16), 0)
+    back = serialization.from_bytes(DynamicCache(num_layers=1), serialization.to_bytes(mixed))
+    chex.assert_trees_all_equal(back.layers, mixed.layers)
+    assert [x.dtype for x in back.layers[0]] == [jnp.float32, jnp.bfloat16]
+    torch = pytest.importorskip("torch")
+    t = torch.ones((1, 1, 2, 4), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"key_states \(Tensor\) could not be read as an array.*tensor.float\(\)"):
+        DynamicCache.from_legacy_cache([(t, t)])

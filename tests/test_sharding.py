@@ -60,6 +60,16 @@ SCRIPT = textwrap.dedent(
     after = {s.device: s.data.unsafe_buffer_pointer() for s in donated.keys.addressable_shards}
     assert after == pointers, "a shard of the donated cache was copied"
     np.testing.assert_array_equal(donated.seq_lengths(1), [3, 1, 2, 0])
+    # Rows or kv heads that do not split over their mesh axes: a ValueError in the init's own
+    # terms (it was XLA's error about the internal [L, B, H, S, D] buffer).
+    for bad, what in ((dict(batch_size=3), "batch_size=3"), (dict(num_kv_heads=1), "num_kv_heads=1")):
+        sizes = {**dict(num_layers=1, batch_size=4, num_kv_heads=2, head_dim=8, max_length=8), **bad}
+        try:
+            StaticCache.init(sharding=layer_spec, **sizes)
+        except ValueError as err:
+            assert f"{what} does not split over mesh axes" in str(err), err
+        else:
+            raise AssertionError(what)
     print("ok")
     """
 )

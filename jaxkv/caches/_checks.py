@@ -49,9 +49,21 @@ def _flag(condition: Array, bit: int) -> Array:
     return jnp.where(condition, jnp.int32(bit), jnp.int32(0))
 
 
+def _as_array(x: Any, name: str, who: str) -> Array:
+    try:
+        return jnp.asarray(x)
+    except TypeError as err:  # e.g. a torch bfloat16 tensor, which NumPy cannot hold
+        raise TypeError(
+            f"{who}: {name} ({type(x).__name__}) could not be read as an array: {err}. A torch bfloat16 tensor: "
+            "pass tensor.float(), or jax.dlpack.from_dlpack(tensor)."
+        ) from None
+
+
 def _check_states(key_states: Any, value_states: Any, who: str) -> tuple[Array, Array]:
-    key_states = jnp.asarray(key_states)
-    value_states = jnp.asarray(value_states)
+    """Rank-4 float states of one shape (keys and values may differ in float dtype, as in
+    transformers' DynamicCache)."""
+    key_states = _as_array(key_states, "key_states", who)
+    value_states = _as_array(value_states, "value_states", who)
     for name, x in (("key_states", key_states), ("value_states", value_states)):
         if x.ndim != 4:
             raise ValueError(

@@ -162,6 +162,17 @@ class KVCache:
             return make()
         spec = _one_layer_spec(sharding, cls.__name__)
         shape = jax.eval_shape(make)
+        # Rows and kv heads must split evenly (XLA's own error names the internal buffer).
+        sizes = {"batch_size": batch_size, "num_kv_heads": shape.stores[0].keys.shape[2]}
+        for (name, n), axes in zip(sizes.items(), spec[:2]):
+            names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+            devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
+            if n % devices:
+                raise ValueError(
+                    f"{cls.__name__}.init: {name}={n} does not split over mesh axes {names} ({devices} devices) "
+                    f"of sharding spec {tuple(sharding.spec)}; use a multiple of {devices}, or shard that axis "
+                    "over fewer devices (None: replicated)."
+                )
         out = jax.jit(make, out_shardings=_tree_shardings(shape, sharding.mesh, spec))()
         return dataclasses.replace(out, sharding=sharding)
 
