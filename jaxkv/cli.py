@@ -255,7 +255,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     import jax.numpy as jnp
 
     from jaxkv._checks import model_vocab_size
-    from jaxkv.generation import stream
+    from jaxkv.generation import NAN_TOKEN, stream
     from jaxkv.models import CheckpointError, from_pretrained
 
     if args.max_new_tokens < 1:
@@ -276,6 +276,12 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     ids = loaded.tokenizer.encode(args.prompt).ids
     if not ids:
         raise CliError("the prompt encodes to zero tokens; give some text")
+    vocab = model_vocab_size(loaded.model)
+    if vocab is not None and max(ids) >= vocab:
+        raise CliError(
+            f"{path}: the tokenizer gave id {max(ids)} for the prompt, but the model's vocabulary is [0, {vocab}): "
+            "tokenizer.json and config.json (vocab_size) come from different models"
+        )
     _, context = _config_value(path, "config.json", "max_position_embeddings")
     if context is not None and len(ids) + args.max_new_tokens > context:
         raise CliError(
@@ -321,6 +327,13 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             # both include compiling, so the rate below counts later calls' tokens only.
             start = time.perf_counter()
         token = int(tokens[0])
+        if token == NAN_TOKEN:  # the model's logits were NaN: no token to decode
+            out.write("\n")
+            out.flush()
+            raise CliError(
+                f"{path}: the model produced NaN logits (at new token {generated + 1}); its weights or config hold "
+                "a NaN, an inf or a value that overflows (e.g. rope_theta)"
+            )
         if token in eos:
             break
         generated += 1
@@ -384,11 +397,41 @@ def _eos_ids(path: str, vocab_size: int | None = None) -> tuple[int, ...]:
     return ()
 
 
+class _OutputError(Exception):
+    """Writing the generated text failed (other than a closed pipe)."""
+
+
+class _Output:
+    """``stream``'s write and flush, with an OSError from them (a full disk, an I/O error)
+    raised as :class:`_OutputError`; a closed pipe stays a BrokenPipeError."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        self._call(self.stream.write, text)
+
+    def flush(self) -> None:
+        self._call(self.stream.flush)
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            fn(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise _OutputError(err) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        print("jaxkv: error: stdout is closed; nowhere to write the text", file=sys.stderr)
+        return 1
     try:
         if args.command == "generate":
-            run_generate(args, sys.stdout)
+            run_generate(args, _Output(sys.stdout))
         return 0
     except BrokenPipeError:
         # The reader went away (`jaxkv generate ... | head`): stop quietly, as Python's docs
@@ -403,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as err:
         print(f"jaxkv: error: {err}", file=sys.stderr)
         return 2
+    except _OutputError as err:
+        # stdout full (`> /dev/full`) or failing: one line, not a traceback; stdout then points
+        # at devnull so that the flush at interpreter exit cannot raise again.
+        print(f"jaxkv: error: cannot write the output: {err}", file=sys.stderr)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout without a file descriptor
+            pass
+        return 1
     except KeyboardInterrupt:
         print("\njaxkv: interrupted", file=sys.stderr)
         return 130

@@ -1,7 +1,7 @@
 """``python -m jaxkv.demo``: the caches at work, printed step by step.
 
-A later issue turns ``make demo`` into text generation with the embedded model; until the
-model lands this shows the cache vocabulary: update, per-row lengths, crop, reorder,
+``make demo`` generates text with the embedded model (``jaxkv generate``); this script,
+``make demo-caches``, shows the cache vocabulary: update, per-row lengths, crop, reorder,
 overflow policy, and a jitted, donated decode loop that compiles once.
 """
 
@@ -25,7 +25,9 @@ def main() -> None:
     k = jax.random.normal(key, (batch, heads, 5, head_dim))
     grown, keys, _ = cache.update(k, -k, layer_idx=0)
     print(f"old cache length {cache.get_seq_length(0)}, new cache length {grown.get_seq_length(0)}, keys {keys.shape}")
-    print(f"crop(-2) -> {grown.crop(-2).get_seq_length(0)} tokens; reorder_cache([1, 0]) swaps rows")
+    swapped = grown.reorder_cache(jnp.array([1, 0]))
+    same = bool(jnp.array_equal(swapped[0][0][0], grown[0][0][1]))
+    print(f"crop(-2) -> {grown.crop(-2).get_seq_length(0)} tokens; reorder_cache([1, 0]) swaps rows: {same}")
 
     print("\n# StaticCache: preallocated, per-row lengths, no left padding")
     static = StaticCache.init(

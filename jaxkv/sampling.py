@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How to pick the next token. Static (hashable): a jitted loop compiles per config.
@@ -103,6 +106,13 @@ class SamplingConfig:
             # a real number, NumPy's too (np.float32(0.5) was refused while temperature took it)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number (0.0 is off), got {value!r}")
+        # The sampler computes in float32: a larger value is inf there (temperature 1e39 made
+        # every logit 0, a penalty of 1e39 times a count of 0 made them NaN), silently.
+        for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if abs(value) > _FLOAT32_MAX:
+                raise ValueError(f"{name}={value!r} overflows float32, the dtype the sampler computes in (its "
+                                 f"magnitude must be at most {_FLOAT32_MAX:.4g})")
 
     @property
     def is_greedy(self) -> bool:

@@ -51,7 +51,9 @@ def _set(**changes):
         (_set(tie_word_embeddings="false"), "tie_word_embeddings", 'must be true or false, got the string "false"'),
         (_set(rms_norm_eps=-1e-5), "rms_norm_eps", "must be a positive finite number"),
         (_set(rope_parameters=[10000.0]), "rope_parameters", "must be an object, got a list"),
-        (_set(rope_parameters={"rope_theta": "1e4"}), "rope_parameters.rope_theta", "must be a finite number"),
+        (_set(rope_parameters={"rope_theta": "1e4"}), "rope_parameters.rope_theta", "must be a positive finite number"),
+        # 0 loaded and gave NaN logits (the top-level key was checked, the nested one was not)
+        (_set(rope_parameters={"rope_theta": 0}), "rope_parameters.rope_theta", "must be a positive finite number"),
         (_set(layer_types=["full_attention"] * 3), "layer_types", "has 3 entries, expected one per layer"),
         (
             _set(num_key_value_heads=4),

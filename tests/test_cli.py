@@ -256,3 +256,51 @@ def test_compilation_cache_dir(monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", "/home/someone")
     assert compilation_cache_dir() == "/home/someone/.cache/jaxkv/xla"
+
+
+def test_nan_logits_a_foreign_tokenizer_and_an_unwritable_stdout_are_one_line(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose weights hold a NaN (its logits are NaN, so the stream gives NAN_TOKEN)
+    and a tokenizer whose ids pass the model's vocabulary were tracebacks (decode(-1)
+    overflowed; the stream's id check); a full stdout was a traceback too. Each is one line."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    model = tmp_path / "nan"
+    shutil.copytree(embedded_model_path(), model)
+    weights = load_file(model / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("down_proj.weight"))
+    weights[name] = weights[name].copy()
+    weights[name].flat[0] = np.nan
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    assert main(["generate", "def f(", "--model", str(model), "--max-new-tokens", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def f(") and "[jaxkv] prompt" not in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "the model produced NaN logits (at new token 1)" in err[0], err
+    small = tmp_path / "small_vocab"
+    shutil.copytree(embedded_model_path(), small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    weights = load_file(small / "model.safetensors")
+    save_file({n: w[:100] if w.shape[0] == config["vocab_size"] else w for n, w in weights.items()},
+              small / "model.safetensors", metadata={"format": "pt"})
+    assert main(["generate", "def fibonacci(", "--model", str(small), "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "but the model's vocabulary is [0, 100)" in err[0], err
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["generate", "def f(", "--max-new-tokens", "4"]) == 1
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["generate", "def f(", "--max-new-tokens", "4"]) == 1
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxkv: error: cannot write the output: [Errno 28] No space left on device",
+                   "jaxkv: error: stdout is closed; nowhere to write the text"], err

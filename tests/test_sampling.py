@@ -83,7 +83,11 @@ def test_sampling_frequencies_follow_filtered_distribution():
      (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
      (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
      (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite number"),
-     (dict(frequency_penalty="0.5"), "frequency_penalty")],
+     (dict(frequency_penalty="0.5"), "frequency_penalty"),
+     # finite in float64, inf in the sampler's float32: every logit 0, or NaN (silently)
+     (dict(temperature=1e39), "temperature=1e\\+39 overflows float32"),
+     (dict(presence_penalty=1e39), "presence_penalty=1e\\+39 overflows float32"),
+     (dict(frequency_penalty=-1e39), "frequency_penalty=-1e\\+39 overflows float32")],
 )
 def test_bad_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -187,10 +187,12 @@ def _check_hf_config(hf: Any, source: str) -> None:
             continue
         if not isinstance(rope, dict):
             raise bad(key, "an object")
-        for name in _ROPE_NUMBER_KEYS:
+        for name in _ROPE_NUMBER_KEYS:  # every one positive: a rope_theta of 0 gave NaN logits
             value = rope.get(name)
-            if value is not None and not (_is_number(value) and math.isfinite(value)):
-                raise CheckpointError(f"{source}: key '{key}.{name}' must be a finite number, got {_json_type(value)}")
+            if value is not None and not (_is_number(value) and 0 < value < math.inf):
+                raise CheckpointError(
+                    f"{source}: key '{key}.{name}' must be a positive finite number, got {_json_type(value)}"
+                )
     layer_types = hf.get("layer_types")
     if layer_types is not None and (
         not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
