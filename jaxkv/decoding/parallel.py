@@ -23,8 +23,8 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
-from jaxkv.generation import check_prompts, init_model_cache, nan_rows_as_nan_token, poison_bad_lengths
-from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens, sample
+from jaxkv.generation import check_prompts, init_model_cache, poison_bad_lengths, select_token
+from jaxkv.sampling import SamplingConfig, init_history, record_tokens
 
 __all__ = ["sample_keys", "sample_n"]
 
@@ -34,15 +34,6 @@ def sample_keys(key: jax.Array, batch_size: int, num_return_sequences: int) -> j
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     return jax.random.split(key, batch_size * num_return_sequences).reshape(batch_size, num_return_sequences)
-
-
-def _sample_rows(logits, keys, step, config, history):  # [R, V], [R] keys, scalar -> [R]
-    penalized = apply_penalties(logits, history, config)
-
-    def one(row_logits, key):
-        return sample(row_logits[None], jax.random.fold_in(key, step), config)[0]
-
-    return nan_rows_as_nan_token(logits, jax.vmap(one)(penalized, keys))
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype",
@@ -60,14 +51,14 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
     cache = cache.batch_repeat_interleave(n)
     keys = keys.reshape(-1)
     history = init_history(config, jnp.repeat(input_ids, n, axis=0), jnp.repeat(prompt_lengths, n), logits.shape[-1])
-    first = _sample_rows(logits, keys, 0, config, history)
+    first = select_token(logits, keys, 0, config, history)
     history = record_tokens(history, first)
     done = jnp.zeros_like(first, bool) if eos_token_id is None else first == eos_token_id
 
     def step(carry, t):
         tokens, done, cache, history = carry
         logits, cache = forward(graphdef, state, tokens[:, None], cache)
-        nxt = _sample_rows(logits[:, 0], keys, t, config, history)
+        nxt = select_token(logits[:, 0], keys, t, config, history)
         nxt = jnp.where(done, pad_token_id, nxt)
         history = record_tokens(history, nxt, ~done)
         if eos_token_id is not None:
