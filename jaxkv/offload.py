@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on_module
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches import INVALID, ContiguousView, KVCache
@@ -96,20 +96,30 @@ def _to_device(x: Array) -> Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
-@compute_on("device_host")
+def _on_host(f: Any) -> Any:
+    """``f`` compiled to run on the host, its result left in host memory. JAX 0.10 spells it
+    ``compute_on("device_host")`` (a context manager); later versions replaced that with the
+    keyword form (``compute_on2`` in 0.10), which names where each output lives."""
+    keyword_form = getattr(_compute_on_module, "compute_on2", None)
+    if keyword_form is None:
+        keyword_form = _compute_on_module.compute_on
+    return keyword_form(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+
+
+@_on_host
 @jax.jit
 def _host_scatter(buffer: Array, layer: Array, states: Array, slot: Array) -> Array:
     # Runs on the host, where ``buffer`` lives: only the new tokens crossed the link.
     return scatter_slots(buffer, layer, states, slot)
 
 
-@compute_on("device_host")
+@_on_host
 @jax.jit
 def _host_concat(*layers: Array) -> Array:
     return jnp.concatenate(layers, axis=0)
 
 
-@compute_on("device_host")
+@_on_host
 @jax.jit
 def _host_put_rows(buffer: Array, rows: Array, part: Array) -> Array:
     return buffer.at[:, rows].set(part, mode="drop")
