@@ -63,7 +63,7 @@ from jaxkv.caches.views import ContiguousView, QuantizedView  # noqa: E402
 
 # Issue-14 tables: the Llama-3.2-1B attention shape.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
-SECTIONS = ("kernels", "llama1b", "capacity", "loop", "bandwidth", "generate")  # run in this order
+SECTIONS = ("kernels", "llama1b", "sweep", "capacity", "loop", "bandwidth", "generate")  # run in this order
 
 
 def _kv_buffers(kind, layers, batch, capacity, seed=0):
@@ -253,11 +253,81 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
     return results
 
 
+def kernel_sweep(*, layers, tokens, cases, configs, repeats, budget_s):
+    """The kernel's launch options against its read rate: one decode token over ``layers`` x
+    ``tokens`` filled tokens per case (kind, batch), for each config (block_k, num_splits,
+    num_warps, num_stages), as GB/s and % of a jitted ``jnp.sum`` over the same arrays, with
+    each config's max abs difference from the default config's output (same function, other
+    blocking). Stops starting configs after ``budget_s`` seconds (the table says how many ran)."""
+    interpret = jax.default_backend() != "gpu"
+    begun, results = time.perf_counter(), []
+    for kind, batch in cases:
+        buffers, nbytes = _kv_buffers(kind, layers, batch, tokens)
+        lengths = jnp.full((batch,), tokens, jnp.int32)
+        pos = jnp.full((batch, 1), tokens - 1, jnp.int32)
+        q = jnp.asarray(np.random.default_rng(2).standard_normal((batch, Q_HEADS, 1, HEAD_DIM)), _model_dtype(kind))
+        arrays = [x for group in buffers.values() for x in group]
+        read = jax.jit(lambda arrays: sum(jnp.sum(x, dtype=jnp.float32 if x.dtype == jnp.float32 else jnp.int32)
+                                          for x in arrays))
+        sum_s = min(time_calls(lambda: read(arrays).block_until_ready(), repeats=repeats, warmup=3) for _ in range(2))
+        reference = None
+        for config in configs:
+            if time.perf_counter() - begun > budget_s:
+                break
+            options = {k: v for k, v in config.items() if v is not None}
+
+            def all_layers(q, buffers, options=options):
+                return jnp.stack([pallas_attend_view(q, _view(kind, buffers, i, lengths), q_positions=pos,
+                                                     interpret=interpret, **options) for i in range(layers)])
+
+            step = jax.jit(all_layers)
+            row = dict(kind=kind, batch=batch, cache_mb=nbytes / 2**20, sum_gbs=nbytes / sum_s / 1e9, **config)
+            try:
+                out = np.asarray(step(q, buffers), np.float32)
+                reference = out if reference is None else reference
+                row["max_abs_vs_first"] = float(np.max(np.abs(out - reference)))
+                t = min(time_calls(lambda: step(q, buffers).block_until_ready(), repeats=repeats, warmup=2)
+                        for _ in range(2))
+                row.update(gbs=nbytes / t / 1e9, us=t * 1e6)
+            except Exception as err:  # noqa: BLE001  (a config Triton refuses: say why, go on)
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            results.append(row)
+            print(f"   sweep {kind} B={batch} {config}: " + (f"{row['gbs']:.0f} GB/s ({row['gbs'] / row['sum_gbs']:.0%} "
+                  f"of sum), max abs vs first {row['max_abs_vs_first']:.1e}" if "gbs" in row else row["error"]),
+                  flush=True)
+        del buffers, arrays
+    print(f"\nS. Kernel launch options, 1 token x {layers} layers x {tokens} tokens, {Q_HEADS}/{KV_HEADS} heads, "
+          f"D={HEAD_DIM}" + (" (INTERPRET mode: not a speed)" if interpret else ""))
+    rows = [[r["kind"], r["batch"], r["block_k"], r["num_splits"] or "auto", r["num_warps"], r["num_stages"],
+             f"{r['sum_gbs']:.0f}", f"{r['gbs']:.0f}" if "gbs" in r else "-",
+             f"{r['gbs'] / r['sum_gbs']:.0%}" if "gbs" in r else r.get("error", "-")[:40]] for r in results]
+    print_table(["cache", "batch", "block_k", "splits", "warps", "stages", "sum GB/s", "kernel GB/s", "% of sum"], rows)
+    best = {}
+    for r in results:
+        if "gbs" in r and r["gbs"] > best.get((r["kind"], r["batch"]), {}).get("gbs", 0):
+            best[(r["kind"], r["batch"])] = r
+    for (kind, batch), r in best.items():
+        print(f"   best {kind} B={batch}: block_k {r['block_k']}, splits {r['num_splits'] or 'auto'}, warps "
+              f"{r['num_warps']}, stages {r['num_stages']}: {r['gbs'] / r['sum_gbs']:.0%} of sum")
+    return {"rows": results, "configs_run": len(results), "budget_s": budget_s}
+
+
+def sweep_configs(quick):
+    if quick:
+        return [dict(block_k=b, num_splits=None, num_warps=4, num_stages=2) for b in (16, 32)]
+    configs = [dict(block_k=b, num_splits=None, num_warps=w, num_stages=st)
+               for b in (64, 128, 256) for st in (2, 4) for w in (4, 8)]
+    return configs + [dict(block_k=b, num_splits=16, num_warps=4, num_stages=4) for b in (128, 256)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a CPU smoke run")
     parser.add_argument("--json", default=None, help="where to write the figures (default: results/device_<backend>.json)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the sweep section")
+    parser.add_argument("--no-hf-timing", action="store_true",
+                        help="llama1b: leave out transformers' step times (its greedy tokens are still compared)")
     args = parser.parse_args()
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
@@ -284,10 +354,11 @@ def main() -> None:
 
     def llama1b():
         if args.quick:
-            llama = bench_llama1b.run(bench_llama1b.TINY, [(1, 16)], steps=8, repeats=2, hf_compiled=False)
+            llama = bench_llama1b.run(bench_llama1b.TINY, [(1, 16)], steps=8, repeats=2, hf_compiled=False,
+                                      hf_timing=not args.no_hf_timing)
         else:
             llama = bench_llama1b.run(bench_llama1b.LLAMA_1B, [(1, 128), (1, 1024), (32, 1024)], steps=32, repeats=3,
-                                      hf_compiled=backend == "gpu")
+                                      hf_compiled=backend == "gpu", hf_timing=not args.no_hf_timing)
         bench_llama1b.report(llama)
         return llama
 
@@ -296,7 +367,10 @@ def main() -> None:
         bg.report(table)
         return table
 
+    sweep = dict(layers=2, tokens=1024, cases=[("bf16", 1)], repeats=3) if args.quick else dict(
+        layers=8, tokens=32768, cases=[("bf16", 1), ("bf16", 8), ("f32", 1), ("int8", 8)], repeats=10)
     run = {
+        "sweep": lambda: kernel_sweep(configs=sweep_configs(args.quick), budget_s=args.sweep_seconds, **sweep),
         "kernels": lambda: decode_kernel_tables(**kernels),
         "llama1b": llama1b,
         "capacity": lambda: ba.capacity_table(capacities, fill=1024, repeats=30),

@@ -90,6 +90,20 @@ def read_floor(model, shape: Shape, batch: int, context: int, repeats: int) -> f
     return bg.best_time(lambda: read(buffer).block_until_ready(), max(repeats, 10))
 
 
+def attention_path(model, batch: int, capacity: int) -> str:
+    """Which attention a decode step of ``model`` runs over a cache of ``capacity`` slots:
+    ``"pallas kernel"`` if its traced program holds a Pallas call, else ``"XLA"`` (traced
+    on abstract inputs: nothing is compiled or allocated)."""
+    from jaxkv import generation
+
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, capacity))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    program = jax.make_jaxpr(lambda state, tokens, cache: generation.decode_step(graphdef, state, tokens, cache))(
+        state, tokens, cache)
+    return "pallas kernel" if "pallas_call" in str(program) else "XLA"
+
+
 def time_hf(hf, ids: np.ndarray, steps: int, repeats: int, *, compiled: bool, device: str) -> float:
     """transformers' static-cache decode step (median gap between logits-processor calls).
 
@@ -141,7 +155,11 @@ def hf_tokens(hf, ids: np.ndarray, steps: int, device: str) -> np.ndarray:
     return out[:, ids.shape[1]:].cpu().numpy()
 
 
-def run(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int, hf_compiled: bool) -> dict:
+def run(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int, hf_compiled: bool,
+        hf_timing: bool = True) -> dict:
+    """The figures of every cell (see the module docstring). ``hf_timing=False`` leaves out
+    transformers' step times (its greedy tokens are still compared): a short device rerun of
+    the jaxkv columns alone."""
     import jaxkv
     from jaxkv.models import from_pretrained
 
@@ -168,13 +186,14 @@ def run(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int,
 
     for batch, prompt in cells:
         ids = np.random.default_rng(batch * 7919 + prompt).integers(1, shape.vocab_size, (batch, prompt))
-        row = {"batch": batch, "prompt": prompt}
+        row = {"batch": batch, "prompt": prompt,
+               "attention": attention_path(models["jaxkv scan"], batch, prompt + steps + 1)}
         for name, model in models.items():
             row[name] = bg.time_jaxkv(model, ids, steps, repeats)
         row["floor"] = read_floor(models["jaxkv scan"], shape, batch, prompt + steps // 2, repeats)
-        row["hf eager"] = time_hf(hf, ids, steps, repeats, compiled=False, device=device)
+        row["hf eager"] = time_hf(hf, ids, steps, repeats, compiled=False, device=device) if hf_timing else None
         row["hf compiled"] = (time_hf(hf, ids, steps, repeats, compiled=True, device=device)
-                              if hf_compiled else None)
+                              if hf_compiled and hf_timing else None)
         ours = np.asarray(jaxkv.generate(models["jaxkv scan"], jnp.asarray(ids), 16).tokens)
         theirs = hf_tokens(hf, ids, 16, device)
         same = ours == theirs
@@ -190,18 +209,18 @@ def report(payload: dict) -> None:
     best = lambda r: min(r["jaxkv scan"], r["jaxkv per-layer"])  # noqa: E731
     rows = []
     for r in payload["rows"]:
-        compiled = r["hf compiled"]
+        compiled, eager = r["hf compiled"], r["hf eager"]
         rows.append([
             r["batch"], r["prompt"], f"{r['jaxkv scan'] * 1e3:.2f}", f"{r['jaxkv per-layer'] * 1e3:.2f}",
-            f"{r['floor'] * 1e3:.2f}", f"{best(r) / r['floor']:.2f}x", f"{r['hf eager'] * 1e3:.2f}",
-            f"{r['hf eager'] / best(r):.2f}x",
+            f"{r['floor'] * 1e3:.2f}", f"{best(r) / r['floor']:.2f}x",
+            "-" if eager is None else f"{eager * 1e3:.2f}", "-" if eager is None else f"{eager / best(r):.2f}x",
             "-" if compiled is None else f"{compiled * 1e3:.2f}",
             "-" if compiled is None else f"{compiled / best(r):.2f}x",
-            "yes" if r["tokens_equal_first_16"] else f"from step {r['first_divergence']}",
+            "yes" if r["tokens_equal_first_16"] else f"from step {r['first_divergence']}", r.get("attention", "-"),
         ])
     print_table(
         ["B", "prompt", "jaxkv scan ms", "per-layer ms", "floor ms", "jaxkv/floor", "hf eager ms", "hf eager/jaxkv",
-         "hf compiled ms", "hf compiled/jaxkv", "same greedy tokens"],
+         "hf compiled ms", "hf compiled/jaxkv", "same greedy tokens", "decode attention"],
         rows,
     )
     print("first generate call: " + ", ".join(f"{k} {v:.1f} s" for k, v in payload["first_call_s"].items()))
@@ -213,13 +232,17 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="where to write the figures (default: results/llama1b_<backend>.json)")
     parser.add_argument("--hf-compiled", choices=("auto", "yes", "no"), default="auto",
                         help="time transformers with torch.compile (auto: on a GPU only; inductor on a CPU is slow)")
+    parser.add_argument("--no-hf-timing", action="store_true",
+                        help="leave out transformers' step times (its greedy tokens are still compared)")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     hf_compiled = args.hf_compiled == "yes" or (args.hf_compiled == "auto" and on_gpu)
     if args.quick:
-        payload = run(TINY, [(1, 16), (2, 64)], steps=8, repeats=2, hf_compiled=hf_compiled)
+        payload = run(TINY, [(1, 16), (2, 64)], steps=8, repeats=2, hf_compiled=hf_compiled,
+                      hf_timing=not args.no_hf_timing)
     else:
-        payload = run(LLAMA_1B, [(1, 128), (1, 1024), (32, 1024)], steps=32, repeats=3, hf_compiled=hf_compiled)
+        payload = run(LLAMA_1B, [(1, 128), (1, 1024), (32, 1024)], steps=32, repeats=3, hf_compiled=hf_compiled,
+                      hf_timing=not args.no_hf_timing)
     payload["machine"], payload["device"] = machine(), str(jax.devices()[0])
     report(payload)
     if args.json or not args.quick:

@@ -364,6 +364,55 @@ def test_paged_matches_reference():
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+def test_a_capacity_that_is_not_a_multiple_of_the_block():
+    """generate's capacity is prompt + new tokens, any number: the last block is read from
+    the buffer's last BK slots and the slots it shares with the block before are counted
+    once. Capacity 57 in blocks of 16 (the last read from slot 41; rows of length 57, 45, 48,
+    41, 0 and a query before the fill), float32 and int8 with a residual covering slots of
+    the overlap; NaN in every unfilled slot."""
+    slots, lengths = 57, np.array([57, 45, 48, 41, 0, 57])
+    rng = np.random.default_rng(7)
+    batch = len(lengths)
+    q = rng.standard_normal((batch, 2 * HEADS, 1, DIM)).astype(np.float32)
+    q_pos = np.maximum(lengths - 1, 0)[:, None].astype(np.int32)
+    q_pos[-1] = 44  # before the fill: sees slots 0..44, the overlap's first ones among them
+    k, v = rng.standard_normal((2, 1, batch, HEADS, slots, DIM)).astype(np.float32)
+    v += 3.0
+    for b, n in enumerate(lengths):
+        k[:, b, :, n:] = v[:, b, :, n:] = np.nan
+    view = ContiguousView(jnp.asarray(k), jnp.asarray(v), jnp.int32(0), jnp.asarray(lengths, jnp.int32), jnp.float32)
+    for window, softcap in [(None, None), (9, 3.0)]:
+        want = contract_reference(q, k[0], v[0], q_pos, lengths, window, softcap)
+        for block_k in (16, None):  # None: the default, the largest power of two <= min(64, 57)
+            got = run(q, view, q_pos, sliding_window=window, logit_softcap=softcap, num_splits=2, block_k=block_k)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=f"{window} {block_k}")
+    with pytest.raises(ValueError, match="at most the capacity 57, got 64"):
+        run(q, view, q_pos, block_k=64)
+
+    codes = rng.integers(-127, 128, size=(2, 1, batch, HEADS, slots, DIM))
+    scales = bf16_round(rng.uniform(0.005, 0.05, size=(2, 1, batch, HEADS, slots)))
+    dense = codes * scales[..., None]
+    for b, n in enumerate(lengths):
+        scales[:, :, b, :, n:] = np.nan
+        dense[:, :, b, :, n:] = np.nan
+    positions = np.full((batch, 4), -1, np.int32)
+    positions[0] = [42, 47, 56, 3]  # in the overlap (41..47), past it, the last slot, the first block
+    positions[1] = [44, 41, -1, 30]
+    residual = rng.standard_normal((2, batch, HEADS, 4, DIM)).astype(np.float32)
+    for b in range(batch):
+        for r, p in enumerate(positions[b]):
+            if 0 <= p < lengths[b]:
+                dense[:, 0, b, :, p] = residual[:, b, :, r]
+    quantized = QuantizedView(
+        jnp.asarray(codes[0].astype(np.int8)), jnp.asarray(codes[1].astype(np.int8)),
+        jnp.asarray(bf16_bits(scales[0])), jnp.asarray(bf16_bits(scales[1])), jnp.asarray(residual[0]),
+        jnp.asarray(residual[1]), jnp.asarray(positions), jnp.int32(0), jnp.asarray(lengths, jnp.int32), 8,
+        jnp.float32, jnp.bfloat16)
+    want = contract_reference(q, dense[0, 0], dense[1, 0], q_pos, lengths)
+    got = run(q, quantized, q_pos, num_splits=2, block_k=16)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
 # ---------------------------------------------------------------- dispatch and limits
 
 
@@ -438,7 +487,7 @@ def test_what_the_kernels_do_not_take():
     for bad_q, bad_view, message in [
         (jnp.zeros((1, 2, 17, DIM)), view(), "17 queries per row; the kernels take at most 16"),
         (jnp.zeros((1, 2, 1, 24)), view(dim=24), "head_dim 24"),
-        (q, view(slots=40), "capacity 40; the kernels take multiples of 16"),
+        (q, view(slots=12), "capacity 12; the kernels take at least 16 slots"),
         (q.astype(jnp.int32), view(), "the kernels take float32, bfloat16, float16"),
         (q, LayerView(jnp.zeros((1, 1, 8, DIM)), jnp.zeros((1, 1, 8, DIM)), None, jnp.zeros((1,), jnp.int32), 4),
          "LayerView is attended densely"),

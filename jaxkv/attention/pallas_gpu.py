@@ -56,7 +56,8 @@ it); otherwise the usual softmax; a query that sees nothing gets zeros.
 What applies (:func:`unsupported_reason`): :class:`~jaxkv.caches.ContiguousView`,
 :class:`~jaxkv.caches.QuantizedView` and :class:`~jaxkv.caches.PagedView` (pages of a power
 of two >= 16 tokens), at most 16 queries per row, float32/bfloat16/float16 queries and
-cache, head dim a power of two >= 16 (>= 32 for int4), capacity a multiple of 16,
+cache, head dim a power of two >= 16 (>= 32 for int4), capacity at least 16 (any size:
+a last block that would run past it is read from its last BK slots, the overlap not counted),
 ``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
 default device is a GPU (``JAXKV_PALLAS_GPU=1`` forces them wherever they apply, in
 interpret mode off a GPU; ``=0`` turns them off; the variable is read when a function is
@@ -157,8 +158,8 @@ def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
         return f"dtypes {queries.dtype} (queries) and {kv_dtype} (cache); the kernels take float32, bfloat16, float16"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim}; the kernels take powers of two >= 16 (Triton tiles)"
-    if num_slots % 16:
-        return f"capacity {num_slots}; the kernels take multiples of 16"
+    if num_slots < 16:
+        return f"capacity {num_slots}; the kernels take at least 16 slots (one block)"
     quantized = isinstance(view, QuantizedView) or (isinstance(view, PagedView) and view.bits is not None)
     if quantized:
         if view.bits not in (4, 8):
@@ -186,6 +187,8 @@ def pallas_attend_view(
     interpret: bool = False,
     num_splits: int | None = None,
     block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:  # [B, Hq, T, D]
     """Attention of new queries over one layer's view with the Pallas split-K kernels.
 
@@ -207,6 +210,8 @@ def pallas_attend_view(
             at most one per block of the capacity).
         block_k: BK, slots per block (default 64, or the largest power of two dividing the
             capacity below that; at least 16). A paged view's block is its page.
+        num_warps, num_stages: Triton's launch options for the kernel (warps per program,
+            software-pipelining depth of the block loop); ignored in interpret mode.
 
     Returns:
         [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
@@ -238,14 +243,15 @@ def pallas_attend_view(
                          f"page size {view.page_size}, got {block_k!r}.")
     if block_k is None:
         block_k = view.page_size if paged else 64
-        while num_slots % block_k:
+        while block_k > num_slots:
             block_k //= 2
-    if not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1) or num_slots % block_k:
+    if not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1) or block_k > num_slots:
         raise ValueError(
-            f"pallas_attend_view: block_k must be a power of two >= 16 dividing the capacity {num_slots}, got {block_k!r}."
+            f"pallas_attend_view: block_k must be a power of two >= 16 and at most the capacity {num_slots}, "
+            f"got {block_k!r}."
         )
     num_kv_heads = view.keys.shape[2]
-    max_splits = num_slots // block_k
+    max_splits = -(-num_slots // block_k)
     if num_splits is None:
         # Enough programs for ~4 per streaming multiprocessor of a large GPU (132 on an H200).
         num_splits = max(1, min(max_splits, 64, -(-512 // (batch * num_kv_heads))))
@@ -253,7 +259,12 @@ def pallas_attend_view(
         raise ValueError(f"pallas_attend_view: num_splits must be an int in [1, {max_splits}], got {num_splits!r}.")
     options = jnp.array([0 if sliding_window is None else sliding_window], jnp.int32)
     floats = jnp.array([head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0], jnp.float32)
-    static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret))
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if not isinstance(value, int) or not 1 <= value <= 16 or (name == "num_warps" and value & (value - 1)):
+            raise ValueError(f"pallas_attend_view: {name} must be an int in [1, 16] (warps: a power of two), "
+                             f"got {value!r}.")
+    static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
+                  num_stages=num_stages)
     view = view._replace(layer=jnp.asarray(view.layer, jnp.int32), lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
@@ -434,6 +445,7 @@ def _split_kernel(
     start = lo + j * chunk
     num_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, hi) - start, 0), block_k)
 
+    num_slots = k_ref.shape[3]  # S (paged: the page size, unused)
     qpos = qpos_ref[b, :]  # [M]
     rows, width = q_ref.shape
     parts = 2 if bits == 4 else 1  # int4: even and odd head-dim elements are separate products
@@ -452,8 +464,8 @@ def _split_kernel(
         which value rows are non-finite."""
         if paged:  # a block is one page, found through the row's block table
             at = (layer, jnp.maximum(table_ref[b, off // block_k], 0), h, pl.ds(0, block_k))
-        else:
-            at = (layer, b, h, pl.ds(off, block_k))
+        else:  # a last block past the capacity is read from S - BK (see ``body``)
+            at = (layer, b, h, pl.ds(jnp.minimum(off, num_slots - block_k), block_k))
         keys, values = k_ref[(*at, slice(None))], v_ref[(*at, slice(None))]
         if bits is None:
             keys, values = (x if x.dtype == stored_dtype else jax.lax.bitcast_convert_type(x, stored_dtype)
@@ -478,7 +490,10 @@ def _split_kernel(
     def body(i, carry):
         running_max, running_sum, flag, *acc = carry
         off = start + i * block_k
-        slots = off + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        # A capacity that is not a multiple of BK: the last block is the buffer's last BK
+        # slots, and the slots below ``off`` in it (the previous block's) are not counted.
+        slots = (off if paged else jnp.minimum(off, num_slots - block_k)) + jax.lax.broadcasted_iota(
+            jnp.int32, (block_k,), 0)
         keys, values, k_scale, v_scale, bad_value = load_block(off)
         raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
                                       preferred_element_type=jnp.float32)
@@ -486,7 +501,7 @@ def _split_kernel(
         if k_scale is not None:
             raw = raw * k_scale[None, :]
         raw = raw * logit_scale
-        visible = (slots[None, :] < length) & (slots[None, :] <= qpos[:, None])
+        visible = (slots[None, :] >= off) & (slots[None, :] < length) & (slots[None, :] <= qpos[:, None])
         visible = visible & ((window <= 0) | (qpos[:, None] - slots[None, :] < window))
         if residual:  # positions a used residual slot holds are counted there, exactly
             def covered():
@@ -573,7 +588,7 @@ def _row_bounds(q_positions, lengths, window, num_slots, block_k, extra=()):
 
 
 def _call_kernel(q, qpos, bounds, rpos, table, ints, floats, keys, values, key_scales, value_scales, *, num_splits,
-                 block_k, interpret, **kernel_static):
+                 block_k, interpret, num_warps, num_stages, **kernel_static):
     batch, num_kv_heads, rows, width = q.shape
     kernel = functools.partial(_split_kernel, num_splits=num_splits, block_k=block_k, **kernel_static)
     whole = pl.no_block_spec  # the whole array: the kernel indexes the stacked buffers itself
@@ -588,7 +603,7 @@ def _call_kernel(q, qpos, bounds, rpos, table, ints, floats, keys, values, key_s
         in_specs=[whole] * 6 + [tile] + [whole] * 4,
         out_specs=[out_tile, out_row, out_row],
         out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, width), jnp.float32), stats, stats],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxkv_split_decode",
     )(ints, floats, bounds, qpos, rpos, table, q, keys, values, key_scales, value_scales)
@@ -615,7 +630,7 @@ def _compute_dtype(queries, kv_dtype):
 
 
 def _contiguous(queries, keys, values, layer, lengths, q_positions, options, floats, *, kv_dtype, num_splits, block_k,
-                interpret):
+                interpret, num_warps, num_stages):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -623,7 +638,8 @@ def _contiguous(queries, keys, values, layer, lengths, q_positions, options, flo
     none = jnp.zeros((1,), jnp.int32)
     acc, running_max, running_sum = _call_kernel(
         q, qpos, bounds, none, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
-        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False,
     )
     return _finish(_merge(acc, running_max, running_sum), queries, used)
@@ -652,7 +668,7 @@ def _dense_partial(q, keys, values, positions, used, qpos, window, floats):
 
 def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions,
                layer, lengths, q_positions, options, floats, *, bits, kv_dtype, scale_dtype, num_splits, block_k,
-               interpret):
+               interpret, num_warps, num_stages):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -669,7 +685,8 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
     acc, running_max, running_sum = _call_kernel(
         q if order is None else q[..., order], qpos, bounds, rpos, jnp.zeros((1,), jnp.int32),
         jnp.concatenate([layer[None], options]), floats, keys, values, key_scales, value_scales,
-        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=None, bits=bits, scale_dtype=scale_dtype, residual=bool(num_residual), paged=False,
     )
     if order is not None:
@@ -683,7 +700,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
 
 
 def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, lengths, q_positions, options, floats,
-           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret):
+           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages):
     num_kv_heads, num_slots = keys.shape[2], block_table.shape[1] * block_k
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -694,7 +711,8 @@ def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, 
     acc, running_max, running_sum = _call_kernel(
         q if order is None else q[..., order], qpos, bounds, jnp.zeros((1,), jnp.int32), block_table.astype(jnp.int32),
         jnp.concatenate([layer[None], options]), floats, keys, values, key_scales, value_scales,
-        num_splits=num_splits, block_k=block_k, interpret=interpret, compute_dtype=compute, value_dtype=kv_dtype,
+        num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True,
     )
     if order is not None:
