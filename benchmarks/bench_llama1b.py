@@ -8,7 +8,7 @@ Issue 14's third and fourth goals, measured side by side in one run on ``jax.dev
   transformers, saved with ``save_pretrained`` and read back by ``jaxkv.models.from_pretrained``
   in bfloat16, so both hold the same weights;
 * ``first call``: wall time of the first ``jaxkv.generate`` call of each layer layout
-  (``scan_layers=True``, the accelerator default, and ``False``, one block per layer), compile
+  (``scan_layers=True``, the TPU default, and ``False``, one block per layer, the CPU and GPU default), compile
   included;
 * per cell (batch, prompt length), seconds per decode step of
   - ``jaxkv scan`` / ``jaxkv per-layer``: ``bench_generate.time_jaxkv`` (a jitted loop of

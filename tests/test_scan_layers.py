@@ -275,3 +275,13 @@ def test_a_cache_of_another_geometry_is_named_in_the_error():
         model(jnp.zeros((1, 2), jnp.int32), DynamicCache(num_layers=3))
     with pytest.raises(ValueError, match=r"= \(2, 2, 16, 3\), the model needs \(2, 2, 16, 1\)"):
         model(jnp.zeros((1, 2), jnp.int32), model.init_cache(3, 8))
+
+
+@pytest.mark.parametrize("backend, stacked", [("cpu", False), ("gpu", False), ("tpu", True)])
+def test_default_layout_per_backend(monkeypatch, backend, stacked):
+    """scan_layers=None: per-layer weights where the scan measured slower (XLA:CPU, and the
+    H200: a Llama-3.2-1B-shaped step 2.74 ms scanned against 1.54 ms per layer), the scan on
+    TPU. Only the layout is decided here; nothing is compiled."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    model = Llama(LlamaConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
+    assert model.scan_layers is stacked

@@ -498,17 +498,22 @@ class Llama(nnx.Module):
     Why both: XLA:CPU copies a layer's weights out of the stacked arrays on every step of
     the scan (its dot cannot read a dynamic slice in place), which made a weight-bound CPU
     decode step 1.25-1.35x (the embedded model's shape) to 3x (420 MB of weights) slower than per-layer
-    weights (``benchmarks/bench_compile.py``). So the default is the scan off the CPU
-    (TPU, and GPU where XLA's dynamic-slice fusion lets a matmul read its slice of the
-    stacked buffer in place: not yet measured on a GPU here) and per-layer weights on the
-    CPU.
+    weights (``benchmarks/bench_compile.py``). On an H200 (jax 0.11.2) the scan was slower
+    too: a Llama-3.2-1B-shaped bf16 decode step took 2.74 / 2.62 / 2.99 ms scanned against
+    1.54 / 1.82 / 1.99 ms per layer (batch 1 at 128 and 1K tokens, batch 32 at 1K;
+    ``benchmarks/bench_llama1b.py``). The extra ~1 ms is about what copying the layers'
+    1.95 GB of weights out of the stacks once per step would cost (read and write at ~3.5
+    TB/s): an inference from the arithmetic, not a profile. Its first ``generate`` call
+    compiled in 6.6 s against 12.1 s. So the default is per-layer weights on the CPU and the GPU, and the
+    scan elsewhere (TPU: not measured here); ``scan_layers=True`` trades the step time for
+    a compile that does not grow with depth.
 
     Args:
         config: the :class:`LlamaConfig`.
         param_dtype: dtype of every parameter (and hence of the computation).
         rngs: initialisation randomness. Both layouts draw the same weights from one seed.
-        scan_layers: the layout above; None: stacked unless ``jax.default_backend()`` is
-            the CPU. The parameter tree differs between the layouts: pass it explicitly
+        scan_layers: the layout above; None: per layer when ``jax.default_backend()`` is
+            the CPU or a GPU, stacked elsewhere. The parameter tree differs between the layouts: pass it explicitly
             when saved parameters must restore into a model built on another backend.
     """
 
@@ -518,7 +523,7 @@ class Llama(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=param_dtype, rngs=rngs)
         if scan_layers is None:
-            scan_layers = jax.default_backend() != "cpu"
+            scan_layers = jax.default_backend() not in ("cpu", "gpu")
         self.scan_layers = bool(scan_layers)
         # Built one by one in both layouts (the same random weights from the same seed).
         blocks = [Block(config, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
