@@ -11,7 +11,8 @@ It runs, on ``jax.devices()[0]``, side by side in one run:
    cache (bf16 model, per-token bf16 scales): the Pallas split-K kernel, the blockwise XLA
    loop, cuDNN (``jax.nn.dot_product_attention(implementation="cudnn",
    key_value_seq_lengths=...)``, over its own [B, S, H, D] copy of the cache; where it
-   refuses an input the reason is printed) and masked attention over the whole buffer, each
+   refuses an input the reason is printed), JAX's reference Pallas decode kernel
+   (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``, on the same copy) and masked attention over the whole buffer, each
    as GB/s of cache bytes (codes + scales for int8) and as % of a jitted ``jnp.sum`` over
    the same arrays; then fill 1K at capacities 1K..64K, kernel vs masked vs XLA loop. Heads
    are the Llama-3.2-1B shape (32 query / 8 kv heads, head dim 64). Off a GPU the kernel
@@ -133,6 +134,17 @@ def _cudnn_step(layers):
     return jax.jit(step)
 
 
+def _jax_gqa_step(layers):
+    """One token over every layer with ``jax.experimental.pallas.ops.gpu.decode_attention.gqa``
+    (JAX's reference split-K kernel, its defaults), on [B, S, H, D] arrays: how far a Pallas
+    (Triton) kernel gets on this shape, beside jaxkv's."""
+    from jax.experimental.pallas.ops.gpu.decode_attention import gqa
+
+    def step(q, keys, values, lengths):  # q [B, Hq, D]
+        return jnp.stack([gqa(q, keys[i], values[i], kv_seq_len=lengths) for i in range(layers)])
+    return jax.jit(step)
+
+
 def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity_kinds, fill, repeats):
     """Issue 14's figures: GB/s of each decode-attention strategy against jnp.sum, and
     fill-1K step times against capacity. Interleaved rounds, best of 3 (a slow spell of a
@@ -163,18 +175,23 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
                                               for x in arrays))
             calls["jnp.sum"] = lambda: read(arrays).block_until_ready()
             if backend != "gpu":
-                skipped["cuDNN"] = f"needs a CUDA GPU (backend here: {backend})"
+                for name in ("cuDNN", "JAX gqa kernel"):
+                    skipped[name] = f"needs a CUDA GPU (backend here: {backend})"
             else:
-                try:
-                    dense = [_dense_layer(_view(kind, buffers, i, lengths)) for i in range(layers)]
-                    keys = [k.transpose(0, 2, 1, 3) for k, _ in dense]
-                    values = [v.transpose(0, 2, 1, 3) for _, v in dense]
-                    del dense
-                    step, qt = _cudnn_step(layers), q.transpose(0, 2, 1, 3)
-                    step(qt, keys, values, lengths).block_until_ready()
-                    calls["cuDNN"] = lambda: step(qt, keys, values, lengths).block_until_ready()
-                except Exception as err:  # cuDNN refuses some shapes/dtypes: say why
-                    skipped["cuDNN"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                # Both read their own [B, S, H, D] copy of the layers (int8: dequantized).
+                dense = [_dense_layer(_view(kind, buffers, i, lengths)) for i in range(layers)]
+                keys = [k.transpose(0, 2, 1, 3) for k, _ in dense]
+                values = [v.transpose(0, 2, 1, 3) for _, v in dense]
+                del dense
+                others = {"cuDNN": (_cudnn_step(layers), q.transpose(0, 2, 1, 3)),
+                          "JAX gqa kernel": (_jax_gqa_step(layers), q[:, :, 0])}
+                for name, (step, q_in) in others.items():
+                    try:  # cuDNN refuses some shapes/dtypes: say why
+                        step(q_in, keys, values, lengths).block_until_ready()
+                        calls[name] = (lambda step=step, q_in=q_in:
+                                       step(q_in, keys, values, lengths).block_until_ready())
+                    except Exception as err:  # noqa: BLE001
+                        skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             best = {}
             for _ in range(3):
                 for name, call in calls.items():
@@ -196,7 +213,7 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
             del buffers, arrays, calls
     print(f"\n0a. Decode attention, 1 token x {layers} layers x {tokens} filled tokens, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={HEAD_DIM}: GB/s of cache bytes and % of jnp.sum over the same arrays{note}")
-    names = ["pallas kernel", "XLA loop", "cuDNN", "masked"]
+    names = ["pallas kernel", "XLA loop", "cuDNN", "JAX gqa kernel", "masked"]
     headers = ["cache", "batch", "MB", "jnp.sum GB/s"] + [f"{n} GB/s (%)" for n in names] + ["kernel vs loop, max abs diff"]
     for r in results["bandwidth"]:
         ref = r["gbs"].get("jnp.sum")
@@ -206,7 +223,7 @@ def decode_kernel_tables(*, layers, tokens, batches, kinds, capacities, capacity
         rows.append(cells + [f"{r['kernel_vs_loop_max_abs']:.1e}"])
     print_table(headers, rows)
     print("   GB/s = the cache's bytes (int8: codes + scales) / time, for every column; masked attention and cuDNN "
-          "read float copies (cuDNN: its own [B, S, H, D] arrays; int8: dequantized to bf16)")
+          "read float copies (cuDNN and JAX's gqa kernel: their own [B, S, H, D] arrays; int8: dequantized to bf16)")
     for r in results["bandwidth"]:
         for name, why in r["skipped"].items():
             print(f"   {r['kind']} batch {r['batch']}: {name} skipped: {why}")

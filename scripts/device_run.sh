@@ -29,7 +29,7 @@ print(sys.version.split()[0], "jax", jax.__version__, jax.devices())
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$out/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-    JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:xdist -p no:cacheprovider \
+    JAX_PLATFORMS=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -v --durations=10 -p no:xdist -p no:cacheprovider \
         tests/test_pallas_gpu.py tests/test_offload.py 2>&1 | tee "$out/pallas_tests.log"
 fi
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_device.py ${BENCH_ARGS:-} \
