@@ -196,7 +196,16 @@ class HostStorage:
 
     def fetch(self, buffer: Array, layer: Any) -> Array:
         """[1, B, H, S, D] device copy of one layer of a host buffer."""
-        one = jax.lax.dynamic_slice_in_dim(buffer, _index(layer), 1, axis=0)
+        try:
+            one = jax.lax.dynamic_slice_in_dim(buffer, _index(layer), 1, axis=0)
+        except ValueError as err:  # under jax.vmap the slice becomes a gather JAX refuses on host memory
+            if "memory_space" not in str(err):
+                raise
+            raise ValueError(
+                "OffloadedCache cannot run under jax.vmap: its layers are sliced out of host-memory buffers, "
+                "which JAX does not batch (it refuses the gather a vmapped slice becomes). vmap a StaticCache, "
+                "or give the offloaded cache the batch as its rows (batch_size=...)."
+            ) from err
         return _to_device(one) if self.offloaded else one
 
     def write(self, read_layer, write_layer, layer_ok, keys, values, old, count):

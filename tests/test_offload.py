@@ -173,3 +173,16 @@ def test_donated_decode_step_copies_layers_not_the_cache(model):
     _, cache = step(state, jnp.array([1, 2]), cache)
     _assert_memory_kinds(cache)
     assert step_copy_bytes(cache) == {"to_device": 2 * 2 * 2 * 2 * 64 * 16 * 4, "to_host": 2 * 2 * 2 * 2 * 16 * 4}
+
+
+def test_vmap_is_refused_with_a_message_that_says_so():
+    """JAX does not batch a slice of a host-memory buffer: under jax.vmap the cache's layer
+    fetch failed with JAX's own 'memory_space of all inputs passed to gather' message. It
+    now says what cannot be done and what to do instead; a StaticCache vmaps as before."""
+    shape = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
+    tokens = jnp.ones((3, 1, 1, 1, 2))
+    lengths = jax.vmap(lambda k: StaticCache.init(**shape).update(k, k, 0)[0].lengths)(tokens)
+    assert lengths.tolist() == [[[1]]] * 3  # [vmap, layers, rows]
+    cache = OffloadedCache.init(**shape)
+    with pytest.raises(ValueError, match="OffloadedCache cannot run under jax.vmap"):
+        jax.vmap(lambda k: cache.update(k, k, 0)[0].lengths)(tokens)

@@ -413,6 +413,24 @@ def test_a_capacity_that_is_not_a_multiple_of_the_block():
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+def test_a_very_negative_query_position_with_a_large_window():
+    """A row's first visible slot is ``min(q_positions) - W + 1``: with a padding query at a
+    negative position and a window near 2**31 that wrapped past -2**31 to a large start,
+    and the row's real query saw nothing (zeros). Positions and windows at the int32 edges
+    against the float64 reference."""
+    rng = np.random.default_rng(11)
+    slots, lengths = 32, np.array([32, 20])
+    k, v = rng.standard_normal((2, 1, 2, 1, slots, 16)).astype(np.float32)
+    q = rng.standard_normal((2, 1, 2, 16)).astype(np.float32)
+    view = ContiguousView(jnp.asarray(k), jnp.asarray(v), jnp.int32(0), jnp.asarray(lengths, jnp.int32), jnp.float32)
+    for q_pos, window in [([[-3, 20], [-1, 19]], 2**31 - 1), ([[-2**31, 20], [-2**31, 5]], 8),
+                          ([[0, 31], [2**31 - 1, 7]], 2**31 - 1)]:
+        q_pos = np.array(q_pos, np.int32)
+        want = contract_reference(q, k[0], v[0], q_pos, lengths, window)
+        got = run(q, view, q_pos, sliding_window=window, num_splits=2, block_k=16)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=f"{q_pos.tolist()} {window}")
+
+
 # ---------------------------------------------------------------- dispatch and limits
 
 

@@ -580,7 +580,10 @@ def _row_bounds(q_positions, lengths, window, num_slots, block_k, extra=()):
     the last; then ``extra`` columns."""
     # Capped below S before the + 1: a position of 2**31 - 1 would wrap to negative.
     hi = jnp.clip(jnp.minimum(lengths, jnp.minimum(jnp.max(q_positions, axis=1), num_slots - 1) + 1), 0, num_slots)
-    lo = jnp.where(window > 0, jnp.maximum(jnp.min(q_positions, axis=1) - window + 1, 0), 0)
+    # Compared before subtracting: a padding query at a very negative position with a large
+    # window would wrap ``first - window + 1`` past -2**31 to a large positive start.
+    first = jnp.min(q_positions, axis=1)
+    lo = jnp.where((window > 0) & (first >= window - 1), first - (window - 1), 0)
     lo = jnp.minimum(lo // block_k * block_k, hi)
     columns = [lengths, lo, hi, *extra]
     zeros = jnp.zeros_like(lengths)
