@@ -194,6 +194,7 @@ def test_vmap_over_batch_matches_batched():
         (dict(kv_lengths=np.zeros((2,), np.float32)), "integer array"),
         (dict(sliding_window=0), "sliding_window must be a positive"),
         (dict(logit_softcap=-1.0), "logit_softcap must be positive"),
+        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and finite"),
         (dict(implementation="flash"), "implementation must be"),
         (dict(implementation="jax", logit_softcap=1.0), "cannot soft-cap"),
     ],

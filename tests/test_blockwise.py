@@ -163,6 +163,7 @@ def test_blockwise_bf16_inputs_keep_dtype(impl):
         (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths"),
         (dict(implementation="pallas"), "implementation must be"),
         (dict(logit_softcap=0.0), "logit_softcap must be positive"),
+        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and finite"),
     ],
 )
 def test_blockwise_bad_input(kwargs, match):

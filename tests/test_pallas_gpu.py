@@ -516,6 +516,7 @@ def test_what_the_kernels_do_not_take():
     for kw, message in [(dict(num_splits=5, block_k=16), r"num_splits must be an int in \[1, 4\]"),
                         (dict(block_k=8), "block_k must be a power of two >= 16"),
                         (dict(sliding_window=0), "sliding_window must be a positive int"),
-                        (dict(logit_softcap=-1.0), "logit_softcap must be positive")]:
+                        (dict(logit_softcap=-1.0), "logit_softcap must be positive"),
+                        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and finite")]:
         with pytest.raises(ValueError, match=message):
             call(q, view(), **kw)

@@ -183,8 +183,8 @@ def attend(
             f"q_positions must have shape [batch, new_tokens] = {[batch, num_tokens]}, got {list(q_positions.shape)}; "
             "use cache.positions(num_tokens, layer_idx) taken before the update"
         )
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap!r}")
+    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
+        raise ValueError(f"logit_softcap must be positive and finite, or None (an infinite cap makes every logit inf * 0 = NaN), got {logit_softcap!r}")
     if implementation not in ("jaxkv", "jax"):
         raise ValueError(f"implementation must be 'jaxkv' or 'jax', got {implementation!r}")
     if implementation == "jax" and logit_softcap is not None:

@@ -208,8 +208,10 @@ def pallas_attend_view(
             tested on CPU). False lowers them with Triton, which needs a GPU.
         num_splits: NS, splits of each row's range (default: enough programs to fill a GPU,
             at most one per block of the capacity).
-        block_k: BK, slots per block (default 64, or the largest power of two dividing the
-            capacity below that; at least 16). A paged view's block is its page.
+        block_k: BK, slots per block (default 64, halved until it is at most the capacity;
+            at least 16). A capacity that is not a multiple of BK reads its last block from
+            slot S - BK, the slots shared with the block before not counted again. A paged
+            view's block is its page.
         num_warps, num_stages: Triton's launch options for the kernel (warps per program,
             software-pipelining depth of the block loop); ignored in interpret mode.
 
@@ -236,8 +238,8 @@ def pallas_attend_view(
         raise ValueError(f"pallas_attend_view: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"pallas_attend_view: logit_softcap must be positive or None, got {logit_softcap!r}.")
+    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
+        raise ValueError(f"pallas_attend_view: logit_softcap must be positive and finite, or None (an infinite cap makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
     if paged and block_k not in (None, view.page_size):
         raise ValueError(f"pallas_attend_view: a paged view is read one page per block: block_k must be None or the "
                          f"page size {view.page_size}, got {block_k!r}.")
