@@ -12,7 +12,11 @@ most ``scale / 2 <= max|x| / (2 qmax) * (1 + 2**-7)`` (bfloat16 spacing is ``2**
 relative). An all-zero token gets scale 0 and dequantizes to exact zeros. With
 ``scale_dtype=float16`` a token with ``max|x| > qmax * 65504`` saturates (its scale is
 float16's largest; its elements are clipped to ``+-qmax * 65504``) rather than turning into
-NaN; bfloat16 scales have float32's range.
+NaN; bfloat16 scales have float32's range. At the other end, a float16 scale below float16's
+smallest normal (``max|x| < qmax * 2**-14``, about 7.8e-3 for int8) has fewer significant
+bits: the error stays at most ``scale / 2`` and nothing clips, but rounding the scale up
+can make it several times ``max|x| / qmax`` (3.3x the bound above at ``max|x|`` = 1e-6);
+bfloat16 scales keep their 8 bits down to 1e-38.
 
 Each token is quantized once, when written; per-token scales do not depend on other
 tokens, so quantizing later (as HF's quantized cache does for tokens leaving its residual)
