@@ -40,6 +40,7 @@ figures can sit beside the CPU ones in ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -366,7 +367,10 @@ def main() -> None:
             capacities=[2048, 65536], steps=1000)
         cells, steps = [(1, 128), (1, 1024), (1, 4096), (8, 1024)], 128
     path = args.json or str(HERE / "results" / f"device_{backend}{'_quick' if args.quick else ''}.json")
-    payload = {"machine": machine(), "device": str(jax.devices()[0]), "sections": sections, "errors": {}}
+    payload = {"machine": machine(), "device": str(jax.devices()[0]), "sections": sections, "errors": {},
+               "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if payload["xla_flags"]:
+        print(f"XLA_FLAGS={payload['xla_flags']}")
     bg.STRICT_TOKENS = False  # a token mismatch is recorded, not fatal: the device time is one shot
 
     def llama1b():

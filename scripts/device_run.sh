@@ -10,6 +10,9 @@
 #
 # then give the machine back.
 #   SKIP_TESTS=1 ...                              # no pytest part
+#   XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true SKIP_TESTS=1 SECTIONS=llama1b BENCH_ARGS=--no-hf-timing ...
+#                                                 # whether XLA:GPU then reads the scan's weight slices in place
+#                                                 # (the scanned 1B step was ~1 ms slower than per-layer; recorded in the JSON)
 #   BENCH_ARGS=--quick ...                        # small sizes (the CPU smoke run of this script)
 #
 # 1. tests/test_pallas_gpu.py on the GPU (the kernels compiled by Triton, not interpreted),
