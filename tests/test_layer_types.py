@@ -87,6 +87,9 @@ MOE_CASES = {
                       max_window_layers=2, moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1, head_dim=8),
     "mixtral, layer_types": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=2,
                                  num_experts_per_tok=1, layer_types=[FULL, SLIDING] * 2),
+    # not MoE, same rule: MistralModel logs that it saw layer_types and slides every layer
+    "mistral, layer_types": dict(model_type="mistral", architectures=["MistralForCausalLM"],
+                                 layer_types=[FULL, FULL, FULL, SLIDING]),
 }
 
 
@@ -96,8 +99,9 @@ def test_moe_configs_slide_where_transformers_attention_slides(name):
     """Measured, not read off the config: each decoder layer of the transformers model records
     the mask it is given (12 tokens, window 4: a layer slides iff its last query cannot see
     token 0). Qwen2-MoE slides its even layers below max_window_layers, Qwen3-MoE every layer,
-    Mixtral every layer whatever layer_types says; jaxkv had F,F,S,* for the first two and
-    Mixtral's layer_types (HybridCache.from_config put rings on the wrong layers)."""
+    Mixtral and Mistral every layer whatever layer_types says; jaxkv had F,F,S,* for the first
+    two and Mixtral's and Mistral's layer_types (HybridCache.from_config put rings on the wrong
+    layers, and Llama.from_pretrained attended without the window where transformers slides)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     raw = {**MOE, **MOE_CASES[name]}

@@ -20,8 +20,9 @@ _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Model types whose sliding_window, when set, applies to every layer.
 _ALL_SLIDING_TYPES = ("mistral", "mixtral", "qwen3_moe")
 # Model types whose attention reads config.sliding_window alone: a layer_types key in their
-# config.json is ignored by transformers (MixtralModel, Qwen3MoeModel: one mask for all).
-_IGNORE_LAYER_TYPES = ("mixtral", "qwen3_moe")
+# config.json is ignored by transformers (MistralModel, MixtralModel, Qwen3MoeModel: one mask
+# for all; MistralModel only logs that it saw the key).
+_IGNORE_LAYER_TYPES = ("mistral", "mixtral", "qwen3_moe")
 # Model types whose attention has no window at all: transformers ignores sliding_window.
 _NO_WINDOW_TYPES = ("llama",)
 # What transformers' config classes assume for a key config.json leaves out (checked against
@@ -57,8 +58,8 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
       ``i < max_window_layers`` (qwen2_moe, ``Qwen2MoeConfig``'s rule), every layer
       (qwen3_moe: its attention reads ``sliding_window`` alone).
     * ``layer_types`` given: used as is (each ``"full_attention"`` or
-      ``"sliding_attention"``), with ``sliding_window`` as the window; except for Mixtral
-      and Qwen3-MoE, whose attention ignores it.
+      ``"sliding_attention"``), with ``sliding_window`` as the window; except for Mistral,
+      Mixtral and Qwen3-MoE, whose attention ignores it.
     * Mistral/Mixtral: every layer slides when ``sliding_window`` is set.
     * Llama: every layer is full (its attention has no window; transformers ignores a
       ``sliding_window`` key there).
