@@ -260,6 +260,7 @@ def test_config_from_hf_layouts():
 
 
 _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+_DROP = object()  # a key the config.json leaves out
 
 
 @pytest.mark.parametrize(
@@ -272,8 +273,10 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
              rope_scaling=dict(_LLAMA3, original_max_position_embeddings=32)),
         # rope_theta missing from the dict comes from the top level
         dict(max_position_embeddings=64, rope_theta=300.0, rope_scaling=dict(type="linear", factor=2.0)),
+        # no context anywhere: transformers' class default (LlamaConfig: 2048); jaxkv refused it
+        dict(max_position_embeddings=_DROP, rope_parameters=dict(_LLAMA3, rope_theta=1e4)),
     ],
-    ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta"],
+    ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta", "llama3-no-context"],
 )
 def test_config_rope_resolves_as_transformers(change):
     """The RoPE parameters jaxkv reads from a config.json are those transformers' own config
@@ -282,7 +285,7 @@ def test_config_rope_resolves_as_transformers(change):
     import warnings
 
     transformers = pytest.importorskip("transformers")
-    hf = HF_LLAMA | change
+    hf = {k: v for k, v in (HF_LLAMA | change).items() if v is not _DROP}
     cfg = LlamaConfig.from_hf(copy.deepcopy(hf))  # transformers fills the rope dicts in place
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

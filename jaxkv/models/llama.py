@@ -59,6 +59,9 @@ MODEL_TYPES = {
 # num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads.
 _DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+# transformers' config defaults for max_position_embeddings (what llama3 RoPE falls back to).
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768,
+                          "Qwen3ForCausalLM": 32768}
 # HF hidden_act names of the SiLU (transformers' ACT2FN maps both to it).
 _SILU_NAMES = ("silu", "swish")
 
@@ -200,9 +203,10 @@ class LlamaConfig:
             if hf.get("original_max_position_embeddings") is not None:
                 # transformers (standardize_rope_params) gives a top-level value priority over the dict's
                 rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-            elif "original_max_position_embeddings" not in rope and hf.get("max_position_embeddings") is not None:
-                # transformers' default: the context the config declares
-                rope["original_max_position_embeddings"] = hf["max_position_embeddings"]
+            elif "original_max_position_embeddings" not in rope:
+                # transformers' default: the context the config declares, else its class default
+                context = hf.get("max_position_embeddings")
+                rope["original_max_position_embeddings"] = _DEFAULT_MAX_POSITIONS.get(arch) if context is None else context
         if rope_type != "default":
             required = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
             missing = [k for k in required if k not in rope]
