@@ -399,3 +399,30 @@ def test_a_row_named_twice_in_take_rows_is_an_error_eagerly_and_padding_under_ji
 
     keys, _ = step(cache, jnp.array([1, 1]))[0]
     np.testing.assert_array_equal(np.asarray(keys)[:, 0, :3, 0], [[1, 1, 10], [1, 1, -7]])
+
+
+def test_a_page_attached_at_another_block_is_copied_before_a_write_it_would_show():
+    """attach_prefix may put a page at another block of another row (here row 0's second page
+    as row 1's first). The in-place rule compared the holders' lengths as if the page sat at
+    the same block in both: row 0 (6 tokens, writing its 7th into slot 2 of that page) counted
+    row 1's 4 tokens as "before it" and wrote in place, so row 1's third token read 99.
+    Holders are now compared by the slots of the page each sees; a StaticCache given the same
+    tokens is the reference."""
+    ps, shape = 4, dict(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=1, max_length=16)
+    paged = PagedCache.init(**shape, page_size=ps, num_pages=8)
+    static = StaticCache.init(**shape)
+    tokens = jnp.arange(1, 9, dtype=jnp.float32).reshape(1, 1, 8, 1).repeat(2, 0)
+    paged, _, _ = paged.update(tokens, tokens, 0, num_new=jnp.array([8, 0]))
+    static, _, _ = static.update(tokens, tokens, 0, num_new=jnp.array([8, 0]))
+    page = paged.block_table[0, 1]  # row 0's tokens 5..8
+    paged = paged.retain(page[None]).attach_prefix(1, page[None], 4).release(page[None])
+    static, _, _ = static.update(tokens[:, :, 4:], tokens[:, :, 4:], 0, num_new=jnp.array([0, 4]))
+    assert int(paged.refcount[page]) == 2
+    paged, static = paged.crop(6), static.crop(6)
+    new = jnp.full((2, 1, 1, 1), 99.0)
+    for _ in range(2):  # row 0 writes slot 2, then 3, of the shared page; row 1 writes nothing
+        paged, _, _ = paged.update(new, new, 0, num_new=jnp.array([1, 0]))
+        static, _, _ = static.update(new, new, 0, num_new=jnp.array([1, 0]))
+    for row, n in ((0, 8), (1, 4)):
+        np.testing.assert_array_equal(np.asarray(paged[0][0][row, 0, :n]), np.asarray(static[0][0][row, 0, :n]))
+    assert int(paged.refcount[page]) == 1  # row 0 took a copy; row 1 keeps the original

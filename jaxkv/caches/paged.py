@@ -212,26 +212,31 @@ class PagedStorage:
         held = cur >= 0
         holders = refcount[jnp.maximum(cur, 0)]
         shared = touched & held & (holders > 1)
-        # A writer may keep a shared page and write into it in place when no other row
-        # holding it sees anything at or past where it writes (each holds fewer tokens, in
-        # every layer, than the writer's start) and no pin (a prefix index) holds it.
-        # Forked rows taking their next token: n holders, n - 1 copies. One keeper per page.
+        # A writer may keep a shared page and write into it in place when no other holder
+        # sees any slot of that page at or past where it writes (in every layer) and no pin
+        # (a prefix index) holds it. Holders are table entries (row, block): a page attached
+        # at another block of another row (attach_prefix) is compared slot by slot within
+        # the page, not by position. Forked rows taking their next token: n holders, n - 1
+        # copies. One keeper per page.
         extent = jnp.max(all_lengths, axis=0)  # [B] tokens each row holds in its longest layer
         entries = jnp.where(table >= 0, table, num_pages).reshape(-1)
-        entry_row = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), max_pages)
-        entry_extent = extent[entry_row]
+        entry_id = jnp.arange(batch * max_pages, dtype=jnp.int32)
+        entry_block = entry_id % max_pages
+        entry_seen = jnp.clip(extent[entry_id // max_pages] - entry_block * ps, 0, ps)  # slots of the page it sees
         row_holders = jnp.zeros((num_pages,), jnp.int32).at[entries].add(1, mode="drop")
-        # The two longest holders of each page: the most any *other* row holds.
-        top = jnp.full((num_pages,), -1, jnp.int32).at[entries].max(entry_extent, mode="drop")
-        top_row = jnp.full((num_pages,), batch, jnp.int32).at[
-            jnp.where(entry_extent == top[jnp.minimum(entries, num_pages - 1)], entries, num_pages)
-        ].min(entry_row, mode="drop")
+        # The two entries seeing most of each page: the most any *other* entry sees.
+        top = jnp.full((num_pages,), -1, jnp.int32).at[entries].max(entry_seen, mode="drop")
+        top_entry = jnp.full((num_pages,), batch * max_pages, jnp.int32).at[
+            jnp.where(entry_seen == top[jnp.minimum(entries, num_pages - 1)], entries, num_pages)
+        ].min(entry_id, mode="drop")
         second = jnp.full((num_pages,), -1, jnp.int32).at[
-            jnp.where(entry_row == top_row[jnp.minimum(entries, num_pages - 1)], num_pages, entries)
-        ].max(entry_extent, mode="drop")
+            jnp.where(entry_id == top_entry[jnp.minimum(entries, num_pages - 1)], num_pages, entries)
+        ].max(entry_seen, mode="drop")
         safe_cur = jnp.maximum(cur, 0)
-        others = jnp.where(top_row[safe_cur] == rows, second[safe_cur], top[safe_cur])  # [B, K]
-        eligible = shared & (row_holders[safe_cur] == holders) & (others <= old[:, None])
+        own_entry = rows * max_pages + jnp.minimum(blk, max_pages - 1)
+        others = jnp.where(top_entry[safe_cur] == own_entry, second[safe_cur], top[safe_cur])  # [B, K]
+        write_from = jnp.clip(old[:, None] - blk * ps, 0, ps)  # the first slot of the page it writes
+        eligible = shared & (row_holders[safe_cur] == holders) & (others <= write_from)
         first = jnp.full((num_pages,), batch, jnp.int32).at[jnp.where(eligible, cur, num_pages)].min(
             jnp.broadcast_to(rows, blk.shape), mode="drop"
         )
