@@ -426,3 +426,37 @@ def test_a_page_attached_at_another_block_is_copied_before_a_write_it_would_show
     for row, n in ((0, 8), (1, 4)):
         np.testing.assert_array_equal(np.asarray(paged[0][0][row, 0, :n]), np.asarray(static[0][0][row, 0, :n]))
     assert int(paged.refcount[page]) == 1  # row 0 took a copy; row 1 keeps the original
+
+
+def test_release_under_jit_frees_no_row_page_and_flags():
+    """Eagerly, releasing a page no pin holds is a ValueError. Under jit it was applied: a
+    row's own page went to count 0 while the row still read it, the next write of another
+    row took it and overwrote the row's tokens, and no flag was set; a free page went to
+    count -1 and was never free again. Now such a release is skipped and every row flagged
+    INVALID; a pinned page still releases, and a bad id is flagged (retain too)."""
+    cache = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=1, max_length=8, page_size=4,
+                            num_pages=4)
+    tokens = jnp.arange(1, 5, dtype=jnp.float32).reshape(1, 1, 4, 1).repeat(2, 0)
+    cache, _, _ = cache.update(tokens, tokens, 0, num_new=jnp.array([4, 0]))
+    own = cache.block_table[0, :1]
+    with pytest.raises(ValueError, match="not pinned"):
+        cache.release(own)
+    release, retain = jax.jit(lambda c, p: c.release(p)), jax.jit(lambda c, p: c.retain(p))
+    for pages in (own, jnp.array([3]), jnp.array([5]), jnp.array([-7])):  # own, free, out of range
+        after = release(cache, pages)
+        np.testing.assert_array_equal(np.asarray(after.refcount), np.asarray(cache.refcount))
+        assert (np.asarray(after.flags) & INVALID).all(), pages
+    pinned = retain(cache, own)
+    assert int(pinned.refcount[own[0]]) == 2 and not np.asarray(pinned.flags).any()
+    back = release(pinned, jnp.array([own[0], -1]))  # -1 is ignored, not an error
+    np.testing.assert_array_equal(np.asarray(back.refcount), np.asarray(cache.refcount))
+    assert not np.asarray(back.flags).any()
+    twice = release(pinned, jnp.array([own[0], own[0]]))  # one pin released twice: refused whole
+    np.testing.assert_array_equal(np.asarray(twice.refcount), np.asarray(pinned.refcount))
+    assert (np.asarray(twice.flags) & INVALID).all()
+    assert (np.asarray(retain(cache, jnp.array([9])).flags) & INVALID).all()
+    # after the refused release (flags cleared by hand), another row's write takes another page
+    kept = release(cache, own)
+    other, _, _ = dataclasses.replace(kept, flags=jnp.zeros_like(kept.flags)).update(
+        tokens * 0 + 99, tokens * 0 + 99, 0, num_new=jnp.array([0, 4]))
+    np.testing.assert_array_equal(np.asarray(other[0][0][0, 0, :4, 0]), [1, 2, 3, 4])

@@ -564,7 +564,12 @@ class PagedCache(KVCache):
         return self._pinned(pages, 1, "PagedCache.retain")
 
     def release(self, pages: Any) -> PagedCache:
-        """Drops one pin from each of ``pages`` (a page with no holder left is free)."""
+        """Drops one pin from each of ``pages`` (a page with no holder left is free).
+
+        Releasing a page more times than it is pinned (a row's own page, a free page) is a
+        ValueError eagerly; under ``jax.jit`` that page is not released and every row is
+        flagged ``INVALID``, as are ids outside ``[0, num_pages)`` other than ``-1`` (for
+        :meth:`retain` too)."""
         return self._pinned(pages, -1, "PagedCache.release")
 
     def take_rows(self, rows: Any) -> PagedCache:
@@ -689,6 +694,21 @@ class PagedCache(KVCache):
                         f"{who}: pages {under.tolist()} are not pinned (held {pins[under].tolist()} time(s) by a "
                         "pin); release only what retain pinned. A row's own pages are freed by reset or crop."
                     )
-        # Traced ids outside [0, num_pages), tested in their own dtype, pin nothing.
-        pages = _rows_or(pages, store.num_pages, -1)
-        return dataclasses.replace(self, stores=(store.pinned(pages, delta),))._constrained()
+        ids = _rows_or(pages, store.num_pages, -1)
+        if not traced:
+            return dataclasses.replace(self, stores=(store.pinned(ids, delta),))._constrained()
+        # Under jit the checks above become a flag on every row (the op belongs to no row):
+        # ids outside [0, num_pages) other than -1 pin nothing, and a page released more
+        # times than it is pinned is not released at all (a row's own page would become
+        # free while the row still reads it, and the next write would hand it to another).
+        refused = jnp.any((pages != -1) & (ids < 0))
+        if delta < 0:
+            pins = store.refcount - _page_counts(store.block_table, store.num_pages)
+            slot = jnp.where(ids >= 0, ids, store.num_pages)
+            asked = jnp.zeros((store.num_pages,), jnp.int32).at[slot].add(1, mode="drop")
+            over = asked > pins
+            skip = (ids >= 0) & over[jnp.maximum(ids, 0)]
+            refused = refused | jnp.any(skip)
+            ids = jnp.where(skip, -1, ids)
+        flags = jnp.where(refused, self.flags | INVALID, self.flags)
+        return dataclasses.replace(self, stores=(store.pinned(ids, delta),), flags=flags)._constrained()
