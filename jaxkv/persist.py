@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.caches._checks import INVALID, OUT_OF_PAGES
-from jaxkv.caches.container import KVCache, _one_layer_spec, _tree_shardings, memory_place, place_sharding
+from jaxkv.caches.container import KVCache, _fitted_spec, _tree_shardings, memory_place, place_sharding
 from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 
 __all__ = [
@@ -395,7 +395,7 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
     if isinstance(sharding, NamedSharding):
         def place(node):
             if isinstance(node, KVCache):
-                return _tree_shardings(node, sharding.mesh, _one_layer_spec(sharding, node._name))
+                return _tree_shardings(node, sharding.mesh, _fitted_spec(sharding, node._name, node.batch_size))
             return NamedSharding(sharding.mesh, P())  # anything else: replicated over the mesh
 
         return jax.tree.leaves(jax.tree.map(place, abstract, is_leaf=lambda x: isinstance(x, KVCache)))

@@ -645,12 +645,7 @@ class KVCache:
     def _constrained(self) -> KVCache:
         if self.sharding is None:
             return self
-        spec = _one_layer_spec(self.sharding, self._name)
-        batch_axis = spec[0]
-        if batch_axis is not None:
-            axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
-            if self.batch_size % int(np.prod([self.sharding.mesh.shape[a] for a in axes])):
-                spec = (None,) + spec[1:]
+        spec = _fitted_spec(self.sharding, self._name, self.batch_size)
         targets = _tree_shardings(dataclasses.replace(self, sharding=None), self.sharding.mesh, spec)
         out = jax.tree.map(jax.lax.with_sharding_constraint, dataclasses.replace(self, sharding=None), targets)
         return dataclasses.replace(out, sharding=self.sharding)
@@ -770,6 +765,20 @@ def _one_layer_spec(sharding: Any, who: str) -> tuple:
     return spec + (None,) * (4 - len(spec))
 
 
+def _fitted_spec(sharding: Any, who: str, batch_size: int) -> tuple:
+    """The one-layer spec of ``sharding`` for a cache of ``batch_size`` rows: rows replicated
+    when they do not divide the axes that split them (a row op such as
+    ``batch_select_indices`` can leave such a count; every op, pickling and loading lay the
+    cache out this way)."""
+    spec = _one_layer_spec(sharding, who)
+    batch_axis = spec[0]
+    if batch_axis is not None:
+        axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
+        if batch_size % int(np.prod([sharding.mesh.shape[a] for a in axes])):
+            spec = (None,) + spec[1:]
+    return spec
+
+
 def _tree_shardings(cache: KVCache, mesh: Any, spec: tuple) -> KVCache:
     """A cache-shaped tree of ``NamedSharding``: each leaf by its storage's logical axes."""
     named = dict(zip(_SPEC_AXES, spec))
@@ -847,7 +856,7 @@ def _restore(treedef, leaves, mesh, places=None):
         )
     devices = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     sharding = NamedSharding(jax.sharding.Mesh(devices, names), P(*spec))
-    spec = _one_layer_spec(sharding, type(cache).__name__)
+    spec = _fitted_spec(sharding, type(cache).__name__, cache.batch_size)
     targets = _tree_shardings(cache, sharding.mesh, spec)
     return dataclasses.replace(jax.device_put(cache, targets), sharding=sharding)
 
