@@ -223,7 +223,8 @@ def _loop_options(who: str, num_tokens: int, sliding_window, logit_softcap, bloc
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"{who}: sliding_window must be a positive int, got {sliding_window!r}.")
     if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
-        raise ValueError(f"{who}: logit_softcap must be positive and finite, or None (an infinite cap makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
+        raise ValueError(f"{who}: logit_softcap must be positive and finite, or None (an infinite cap "
+                         f"makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
     if block_size is None:
         block_size = 512 if num_tokens <= 16 else 128
     if not isinstance(block_size, int) or block_size < 1:

@@ -239,7 +239,8 @@ def pallas_attend_view(
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
     if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
-        raise ValueError(f"pallas_attend_view: logit_softcap must be positive and finite, or None (an infinite cap makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
+        raise ValueError(f"pallas_attend_view: logit_softcap must be positive and finite, or None (an infinite cap "
+                         f"makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
     if paged and block_k not in (None, view.page_size):
         raise ValueError(f"pallas_attend_view: a paged view is read one page per block: block_k must be None or the "
                          f"page size {view.page_size}, got {block_k!r}.")
