@@ -455,6 +455,9 @@ def test_release_under_jit_frees_no_row_page_and_flags():
     np.testing.assert_array_equal(np.asarray(twice.refcount), np.asarray(pinned.refcount))
     assert (np.asarray(twice.flags) & INVALID).all()
     assert (np.asarray(retain(cache, jnp.array([9])).flags) & INVALID).all()
+    # concrete page ids on a traced cache take the same flag (they used to fail to trace)
+    closed = jax.jit(lambda c: c.release(np.asarray(own)))(cache)
+    assert (np.asarray(closed.flags) & INVALID).all() and int(closed.refcount[own[0]]) == 1
     # after the refused release (flags cleared by hand), another row's write takes another page
     kept = release(cache, own)
     other, _, _ = dataclasses.replace(kept, flags=jnp.zeros_like(kept.flags)).update(

@@ -681,34 +681,31 @@ class PagedCache(KVCache):
         pages = pages.reshape(-1)
         store = self.stores[0]
         if not traced:
-            host = pages
-            bad = host[(host >= store.num_pages) | (host < -1)]
+            bad = pages[(pages >= store.num_pages) | (pages < -1)]
             if bad.size:
                 raise ValueError(f"{who}: page ids {bad.tolist()} are outside [0, {store.num_pages}).")
-            if delta < 0:  # only pins are released: a row's own reference is not a pin
-                pins = np.asarray(store.refcount - _page_counts(store.block_table, store.num_pages))
-                ids, times = np.unique(host[host >= 0], return_counts=True)
-                under = ids[pins[ids] < times]
-                if under.size:
-                    raise ValueError(
-                        f"{who}: pages {under.tolist()} are not pinned (held {pins[under].tolist()} time(s) by a "
-                        "pin); release only what retain pinned. A row's own pages are freed by reset or crop."
-                    )
-        ids = _rows_or(pages, store.num_pages, -1)
-        if not traced:
-            return dataclasses.replace(self, stores=(store.pinned(ids, delta),))._constrained()
-        # Under jit the checks above become a flag on every row (the op belongs to no row):
-        # ids outside [0, num_pages) other than -1 pin nothing, and a page released more
-        # times than it is pinned is not released at all (a row's own page would become
-        # free while the row still reads it, and the next write would hand it to another).
-        refused = jnp.any((pages != -1) & (ids < 0))
+        ids = _rows_or(pages, store.num_pages, -1)  # traced ids outside [0, num_pages): -1
+        refused = jnp.any((pages != -1) & (ids < 0)) if traced else False
+        eager = not traced and not _is_traced(store.refcount)  # else the checks become a flag
         if delta < 0:
+            # Only pins are released: a row's own reference is not a pin, and a page released
+            # more times than it is pinned is not released at all (a row's own page would
+            # become free while the row still reads it; the next write would hand it on).
             pins = store.refcount - _page_counts(store.block_table, store.num_pages)
-            slot = jnp.where(ids >= 0, ids, store.num_pages)
-            asked = jnp.zeros((store.num_pages,), jnp.int32).at[slot].add(1, mode="drop")
+            asked = jnp.zeros((store.num_pages,), jnp.int32).at[jnp.where(ids >= 0, ids, store.num_pages)].add(
+                1, mode="drop")
             over = asked > pins
+            if eager and bool(jnp.any(over)):
+                under = np.flatnonzero(np.asarray(over))
+                raise ValueError(
+                    f"{who}: pages {under.tolist()} are not pinned (held {np.asarray(pins)[under].tolist()} time(s) "
+                    "by a pin); release only what retain pinned. A row's own pages are freed by reset or crop."
+                )
             skip = (ids >= 0) & over[jnp.maximum(ids, 0)]
             refused = refused | jnp.any(skip)
             ids = jnp.where(skip, -1, ids)
+        if eager:
+            return dataclasses.replace(self, stores=(store.pinned(ids, delta),))._constrained()
+        # Under jit the errors above become a flag on every row (the op belongs to no row).
         flags = jnp.where(refused, self.flags | INVALID, self.flags)
         return dataclasses.replace(self, stores=(store.pinned(ids, delta),), flags=flags)._constrained()

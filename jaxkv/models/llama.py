@@ -508,17 +508,18 @@ class Llama(nnx.Module):
     ``benchmarks/bench_llama1b.py``). The extra ~1 ms is about what copying the layers'
     1.95 GB of weights out of the stacks once per step would cost (read and write at ~3.5
     TB/s): an inference from the arithmetic, not a profile. Its first ``generate`` call
-    compiled in 6.6 s against 12.1 s. So the default is per-layer weights on the CPU and the GPU, and the
-    scan elsewhere (TPU: not measured here); ``scan_layers=True`` trades the step time for
-    a compile that does not grow with depth.
+    compiled in 6.6 s against 12.1 s. So the default is per-layer weights on the CPU and
+    the GPU, and the scan elsewhere (TPU: not measured here); ``scan_layers=True`` trades
+    the step time for a compile that does not grow with depth.
 
     Args:
         config: the :class:`LlamaConfig`.
         param_dtype: dtype of every parameter (and hence of the computation).
         rngs: initialisation randomness. Both layouts draw the same weights from one seed.
         scan_layers: the layout above; None: per layer when ``jax.default_backend()`` is
-            the CPU or a GPU, stacked elsewhere. The parameter tree differs between the layouts: pass it explicitly
-            when saved parameters must restore into a model built on another backend.
+            the CPU or a GPU, stacked elsewhere. The parameter tree differs between the
+            layouts: pass it explicitly when saved parameters must restore into a model
+            built on another backend.
     """
 
     def __init__(
