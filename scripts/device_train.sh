@@ -30,7 +30,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 {
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1
-"${PYTHON:-python3}" scripts/train_embedded.py --data .devdata --device "${DEVICE:-cuda}" --bf16 \
+"${PYTHON:-python3}" scripts/train_embedded.py --data "${DATA:-.devdata}" --device "${DEVICE:-cuda}" --bf16 \
     --train-minutes "${MINUTES:-7}" --steps 10000000 --batch "${BATCH:-64}" --context "${CONTEXT:-512}" --warmup 300 \
     --eval-every 500 --log-every 100 --out "$out/pycoder" --docs "$out" ${ARGS:-} 2>&1
 } | tee "$out/train.log"

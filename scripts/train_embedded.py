@@ -661,6 +661,7 @@ def main(argv=None):
     step = 0
     t_decay = None  # when the warmup ended (--train-minutes)
     progress = None
+    best = None  # the weights at the lowest validation loss so far
     while step < args.steps:
         if args.train_minutes > 0 and step >= args.warmup:
             if t_decay is None:
@@ -713,6 +714,11 @@ def main(argv=None):
             running, running_n = 0.0, 0
             if done % args.eval_every == 0 or last or over_time:
                 rec["val_loss"] = evaluate(model, val_windows, args.batch)
+                if best is None or rec["val_loss"] < best["val_loss"]:
+                    # a copy on the device (a few MB): the run keeps its best weights if the
+                    # validation loss turns up late (many epochs over the data on a GPU)
+                    best = {"step": done, "val_loss": rec["val_loss"],
+                            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
             history.append(rec)
             print(
                 f"step {done:5d}/{args.steps}  train {rec['train_loss']:.4f}"
@@ -728,6 +734,15 @@ def main(argv=None):
             break
     train_time = time.time() - t_train
     steps_done = history[-1]["step"]
+    restored = None
+    final_val = [h["val_loss"] for h in history if "val_loss" in h][-1]
+    if best is not None and best["val_loss"] < final_val:
+        model.load_state_dict(best["state"])
+        restored = {"step": best["step"], "val_loss": best["val_loss"], "last_val_loss": final_val}
+        print(f"validation loss rose to {final_val:.4f}: saving the weights of step {best['step']} "
+              f"(val {best['val_loss']:.4f})", flush=True)
+        final_val = best["val_loss"]
+    best = None
 
     out = REPO / args.out  # an absolute path stays itself
     save_hf_dir(model, tok, out, args, eot_id)
@@ -736,7 +751,6 @@ def main(argv=None):
         print(f"--- {s['prompt']!r} greedy:\n{s['greedy']}\n--- sampled:\n{s['sampled_t0.8_k40_seed0']}\n", flush=True)
 
     weight_bytes = (out / "model.safetensors").stat().st_size
-    final_val = [h["val_loss"] for h in history if "val_loss" in h][-1]
     last_train = [h["train_loss"] for h in history if "train_loss" in h][-4:]
     log = {
         "command": cmd,
@@ -770,6 +784,7 @@ def main(argv=None):
             "total_wall_s": round(time.time() - t_start, 1),
             "final_train_loss_mean_last_100_steps": float(np.mean(last_train)),
             "final_val_loss": final_val,
+            "restored_best_weights": restored,
         },
         "history": history,
         "samples": smp,
@@ -787,8 +802,11 @@ def main(argv=None):
              + ("continued:" if args.init_from else "") + "\n"
              + f"{steps_done} steps x {args.batch}x{args.context} tokens, {train_time/60:.1f} min wall, "
              + ("2 shared CPU cores" if device.type == "cpu" else torch.cuda.get_device_name(device)))
-    plot(history, docs / "training_loss.png", title)
     (docs / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    try:  # the log is written first: a plotting failure must not lose it
+        plot(history, docs / "training_loss.png", title)
+    except Exception as e:  # noqa: BLE001
+        print(f"training_loss.png not drawn: {type(e).__name__}: {e}", flush=True)
     print(f"saved {out} ({weight_bytes/1e6:.2f} MB weights); total {time.time()-t_start:.0f}s", flush=True)
 
 
