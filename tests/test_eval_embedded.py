@@ -77,20 +77,28 @@ def test_reference_continuation_is_the_held_out_code_and_scores_finished():
 
 def test_tuning_packages_were_never_trained_on():
     """The decoding-settings prompts come from packages no training run read (their own
-    command lines, in docs/training_log.json), nor vendored inside one that was (pip)."""
+    command lines and corpus records, in docs/training_log.json for the shipped model and
+    docs/training_log_cpu_runs.json for the CPU runs before it), nor vendored inside one that
+    was (pip)."""
     import json
     import importlib.util
 
-    log = json.loads((Path(__file__).resolve().parent.parent / "docs" / "training_log.json").read_text())
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    runs = []
+    for name in ("training_log.json", "training_log_cpu_runs.json"):
+        log = json.loads((docs / name).read_text())
+        runs += [log, *log.get("previous_runs", [])]
     trained = set()
-    for run in [log, *log["previous_runs"]]:
+    for run in runs:
+        # a run on data made by --write-data lists its packages in the corpus record
+        trained |= set(run.get("corpus", {}).get("extra_train_packages", {}))
         words = run["command"].split()
         if "--extra-train-packages" in words:
             for word in words[words.index("--extra-train-packages") + 1:]:
                 if word.startswith("--"):
                     break
                 trained.add(word)
-    assert {"jax", "numpy", "pip"} <= trained  # the parse found the runs' packages
+    assert {"jax", "numpy", "pip", "torch", "scipy", "sympy"} <= trained  # the parse found the runs' packages
     assert trained.isdisjoint(eval_embedded.TUNING_PACKAGES)
     vendored = Path(importlib.util.find_spec("pip").submodule_search_locations[0]) / "_vendor"
     assert vendored.is_dir()
