@@ -78,17 +78,29 @@ class Detokenizer:
     """Token ids in, printable text out, one id at a time, without decoding the whole output
     again for each id (that costs O(n) per token, O(n^2) per run).
 
-    Decodes a window of the ids not yet printed plus one id of context (byte-level BPE
-    decoding depends on nothing before that). Text that ends in an incomplete multi-byte
-    character (U+FFFD) is held back until the character completes; what is held back when
-    the stream ends is never printed.
+    Decodes a window of the ids not yet printed plus the ids of context before them, and
+    prints what the window adds to the context's text. ``prompt_ids`` (already printed by the
+    caller) seed that context: SentencePiece-style decoders (Metaspace, or Llama-2/Mistral's
+    ``Replace("▁", " ")`` + ``Strip``) drop the leading space of the first token decoded,
+    so the first new token decoded alone would lose the space that separates it from the
+    prompt. Text that ends in an incomplete multi-byte character (U+FFFD) is held back until
+    the character completes; what is held back when the stream ends is never printed.
     """
 
-    def __init__(self, tokenizer):
+    _CONTEXT = 4  # prompt ids kept as context (fewer where they start inside a character)
+
+    def __init__(self, tokenizer, prompt_ids=()):
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        context = [int(i) for i in list(prompt_ids)[-self._CONTEXT :]]
+        # a context that starts inside a multi-byte character (byte-fallback pieces) decodes
+        # to U+FFFD there, which the window's text would never start with: drop those ids
+        while context and tokenizer.decode(context).startswith("\ufffd"):
+            context = context[1:]
+        if context and tokenizer.decode(context).endswith("\ufffd"):
+            context = []  # the prompt ends inside a character: no context (as before)
+        self._ids: list[int] = context
         self._start = 0  # the window: ids[_start:] are decoded for each new id
-        self._printed = 0  # ids[_start:_printed] are the context whose text is already out
+        self._printed = len(context)  # ids[_start:_printed] are the context whose text is already out
 
     def push(self, token: int) -> str:
         """The new text that ``token`` completes ("" while a character is incomplete)."""
@@ -150,14 +162,20 @@ def _human_bytes(n: int) -> str:
 
 
 def _config_value(path: str, name: str, key: str) -> tuple[str, Any]:
-    """``(file, value of key)`` from a JSON file of the checkpoint; None if absent or unreadable."""
+    """``(file, value of key)`` from a JSON file of the checkpoint; None if the file or the key
+    is absent. A file that is there but unreadable, not JSON or not a JSON object is an error:
+    skipping it would drop what it says (a chat model's end-of-turn stop ids)."""
     file = os.path.join(path, name)
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return file, None
-    return file, data.get(key) if isinstance(data, dict) else None
+    except (OSError, ValueError) as e:
+        raise CliError(f"{file}: not a readable JSON file ({type(e).__name__}: {e}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{file}: expected a JSON object (keys and values), got a {type(data).__name__}")
+    return file, data.get(key)
 
 
 def _sampling_config(args: argparse.Namespace):
@@ -301,7 +319,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
                   "about a minute); this run uses the slower XLA path", file=sys.stderr)
 
     generated = 0
-    detokenizer = Detokenizer(loaded.tokenizer)
+    detokenizer = Detokenizer(loaded.tokenizer, ids)
     start = None
     step = 0
     cache_bytes = 0

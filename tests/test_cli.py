@@ -134,6 +134,16 @@ def test_every_stop_id_of_the_checkpoint_ends_the_text(tmp_path, monkeypatch, ca
     assert main(["generate", prompt, "--model", str(model), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"names id {vocab}, outside the model's vocabulary [0, {vocab})" in err[0], err
+    # A generation_config.json that is not a JSON object is refused, naming the file: it was
+    # skipped, and config.json (without eos_token_id here) left the text with no stop id.
+    del_eos = json.loads((model / "config.json").read_text())
+    del_eos.pop("eos_token_id", None)
+    (model / "config.json").write_text(json.dumps(del_eos))
+    for text, says in [('{"eos_token_id": 0,,}', "not a readable JSON file"), ("[0]", "expected a JSON object")]:
+        (model / "generation_config.json").write_text(text)
+        assert main(["generate", prompt, "--model", str(model), "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "generation_config.json" in err[0] and says in err[0], err
 
 
 @pytest.fixture
@@ -243,6 +253,56 @@ def test_detokenizer_prints_what_decoding_the_whole_output_prints():
             assert got == printed, (ids[:n], got, printed)
         if ids is encoded:  # multi-byte characters split across tokens come out whole
             assert got == text
+
+
+def _sentencepiece_style_tokenizer(decoder):
+    """A tiny tokenizer with Llama-2 / Mistral's pieces: words carry a leading "▁", and
+    characters outside the vocabulary are byte pieces (byte fallback)."""
+    from tokenizers import Tokenizer, models
+
+    pieces = ["<unk>", "▁hello", "▁world", "▁there", "wor", "l", "d", "▁", "x", "=", "<0xC3>", "<0xA9>"]
+    tokenizer = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                     byte_fallback=True))
+    tokenizer.decoder = decoder
+    return tokenizer, {p: i for i, p in enumerate(pieces)}
+
+
+def test_detokenizer_keeps_the_space_a_sentencepiece_decoder_strips_from_a_first_token():
+    """SentencePiece-style decoders drop the leading space of the first token they decode, so
+    the first new token decoded alone lost the space after the prompt ('hello worldthere');
+    the prompt's ids are the context. The printed text is what decoding prompt + output
+    adds to the prompt's text, for both decoder spellings and a prompt ending in a character
+    split into byte pieces (é = <0xC3><0xA9>)."""
+    from tokenizers import decoders
+
+    from jaxkv.cli import Detokenizer
+
+    spellings = [
+        decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                           decoders.Strip(" ", 1, 0)]),  # Llama-2 / Mistral tokenizer.json
+        decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="always")]),
+    ]
+    for decoder in spellings:
+        tokenizer, v = _sentencepiece_style_tokenizer(decoder)
+        cases = [
+            (["▁hello", "▁world"], ["▁there", "▁there"]),
+            (["▁hello"], ["▁", "wor", "l", "d", "▁there"]),
+            (["▁hello", "x", "<0xC3>", "<0xA9>"], ["▁there", "<0xC3>", "<0xA9>", "x"]),
+            (["<0xA9>", "▁world"], ["=", "▁there"]),  # context that starts inside a character
+            ([], ["▁hello", "▁world"]),
+        ]
+        for prompt, new in cases:
+            prompt_ids, new_ids = [v[p] for p in prompt], [v[p] for p in new]
+            detokenizer = Detokenizer(tokenizer, prompt_ids)
+            got = "".join(detokenizer.push(t) for t in new_ids)
+            want = tokenizer.decode(prompt_ids + new_ids)[len(tokenizer.decode(prompt_ids)):]
+            assert got == want, (decoder, prompt, new, got, want)
+            if prompt and new[0].startswith("▁"):  # a word after the prompt keeps its space
+                assert got.startswith(" ")
+    # the case the review found, as the CLI prints it
+    tokenizer, v = _sentencepiece_style_tokenizer(spellings[0])
+    detokenizer = Detokenizer(tokenizer, [v["▁hello"], v["▁world"]])
+    assert "hello world" + detokenizer.push(v["▁there"]) + detokenizer.push(v["▁there"]) == "hello world there there"
 
 
 def test_compilation_cache_dir(monkeypatch):

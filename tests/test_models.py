@@ -318,6 +318,13 @@ def test_bad_model_inputs_raise():
     model = make_model()
     with pytest.raises(ValueError, match="tokens must have shape"):
         model(jnp.array([1, 2, 3]), None)
+    # float or bool ids: a TypeError that names the argument (it was Flax's "Input type
+    # must be an integer or unsigned integer" from inside nnx.Embed)
+    for ids in (jnp.array([[0.0, 3.0]]), jnp.array([[True, False]])):
+        with pytest.raises(TypeError, match="tokens must hold integer token ids"):
+            model(ids, None)
+    # a nested list is taken, as generate takes one (it was "'list' object has no attribute 'ndim'")
+    np.testing.assert_array_equal(model([[1, 2]], None)[0], model(jnp.array([[1, 2]]), None)[0])
     wrong = StaticCache.init(num_layers=3, batch_size=1, num_kv_heads=2, head_dim=16, max_length=4)
     with pytest.raises(ValueError, match="model.init_cache"):
         model(jnp.array([[1]]), wrong)

@@ -666,9 +666,16 @@ class Llama(nnx.Module):
                 ring (sliding-window) layer where the model's layer is full or has another
                 window; a concrete
                 (not traced) token id outside ``[0, V)``, padding included.
+            TypeError: tokens that are not integers (float or bool ids). A nested list is
+                taken, as ``generate`` takes one.
         """
+        if not isinstance(tokens, (jax.Array, np.ndarray)):
+            tokens = np.asarray(tokens)  # a nested list, as generate takes them
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, new_tokens], got {list(tokens.shape)}; add a batch axis")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"Llama.__call__: tokens must hold integer token ids, got dtype {tokens.dtype}; "
+                            "pass jnp.asarray(ids, jnp.int32)")
         check_token_ids(tokens, self.config.vocab_size, "Llama.__call__", name="tokens")
         if cache is not None:
             check_cache(cache, "Llama.__call__")
