@@ -330,9 +330,18 @@ def kernel_sweep(*, layers, tokens, cases, configs, repeats, budget_s):
     return {"rows": results, "configs_run": len(results), "budget_s": budget_s}
 
 
-def sweep_configs(quick):
+def sweep_configs(quick, which="launch"):
+    """``launch``: block size, warps and stages (run B of 2026-12-04: nothing beat the
+    defaults). ``splits``: more programs than the default's 512 (64 splits at batch 1 x 8
+    kv heads, 8 at batch 8), and 2 warps for the 16 padded query rows: whether the kernel is
+    short of memory-level parallelism (programs in flight per SM) rather than of bandwidth."""
     if quick:
         return [dict(block_k=b, num_splits=None, num_warps=4, num_stages=2) for b in (16, 32)]
+    if which == "splits":
+        return ([dict(block_k=64, num_splits=None, num_warps=4, num_stages=2)]
+                + [dict(block_k=64, num_splits=n, num_warps=4, num_stages=2) for n in (32, 128, 256, 512)]
+                + [dict(block_k=64, num_splits=n, num_warps=2, num_stages=2) for n in (None, 128, 256)]
+                + [dict(block_k=32, num_splits=n, num_warps=2, num_stages=3) for n in (256, 512)])
     configs = [dict(block_k=b, num_splits=None, num_warps=w, num_stages=st)
                for b in (64, 128, 256) for st in (2, 4) for w in (4, 8)]
     return configs + [dict(block_k=b, num_splits=16, num_warps=4, num_stages=4) for b in (128, 256)]
@@ -344,6 +353,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="where to write the figures (default: results/device_<backend>.json)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the sweep section")
+    parser.add_argument("--sweep-set", choices=("launch", "splits"), default="launch",
+                        help="which launch options the sweep section tries (see sweep_configs)")
     parser.add_argument("--no-hf-timing", action="store_true",
                         help="llama1b: leave out transformers' step times (its greedy tokens are still compared)")
     args = parser.parse_args()
@@ -391,7 +402,7 @@ def main() -> None:
     sweep = dict(layers=2, tokens=1024, cases=[("bf16", 1)], repeats=3) if args.quick else dict(
         layers=8, tokens=32768, cases=[("bf16", 1), ("bf16", 8), ("f32", 1), ("int8", 8)], repeats=10)
     run = {
-        "sweep": lambda: kernel_sweep(configs=sweep_configs(args.quick), budget_s=args.sweep_seconds, **sweep),
+        "sweep": lambda: kernel_sweep(configs=sweep_configs(args.quick, args.sweep_set), budget_s=args.sweep_seconds, **sweep),
         "kernels": lambda: decode_kernel_tables(**kernels),
         "llama1b": llama1b,
         "capacity": lambda: ba.capacity_table(capacities, fill=1024, repeats=30),
