@@ -22,8 +22,11 @@
 #                      --init-from jaxkv/_assets/pycoder to continue the shipped model, --lr
 #   CONTEXT=512, BATCH=64  training window and rows per step
 # The defaults: train_embedded.py's architecture (4 layers, hidden 192) from scratch, batch 64 x 512
-# tokens (8x the CPU runs'). The shipped model is that grown to 6 layers (run 7): ARGS="--layers 6" for
-# its shape from scratch, or ARGS="--init-from jaxkv/_assets/pycoder" to continue it.
+# tokens. The shipped model (run 10, 2026-12-04) came from this script on the H200, with the data
+# made by the command above plus "torch scipy sympy" in --extra-train-packages:
+#   DATA=.devdata ARGS="--layers 6" MINUTES=4.6 BATCH=128 bash scripts/device_train.sh
+# (8530 steps, 31 ms each alone on the GPU; README "The embedded model").
+#   DATA=...           the --write-data directory (default .devdata)
 set -uo pipefail
 out=${OUT:-/tmp/jaxkv-train}
 mkdir -p "$out"
