@@ -59,6 +59,8 @@ bench: $(STAMP_TEST)
 	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_offload.py
 	$(PY) benchmarks/bench_scale.py
+	$(PY) benchmarks/bench_first_call.py
+	$(PY) benchmarks/bench_penalties.py
 
 clean:
 	rm -rf $(VENV)

@@ -25,7 +25,7 @@
 # tokens. The shipped model (run 10, 2026-12-04) came from this script on the H200, with the data
 # made by the command above plus "torch scipy sympy" in --extra-train-packages:
 #   DATA=.devdata ARGS="--layers 6" MINUTES=4.6 BATCH=128 bash scripts/device_train.sh
-# (8530 steps, 31 ms each alone on the GPU; README "The embedded model").
+# (8530 steps, 32 ms each alone on the GPU; README "The embedded model").
 #   DATA=...           the --write-data directory (default .devdata)
 set -uo pipefail
 out=${OUT:-/tmp/jaxkv-train}
