@@ -504,6 +504,29 @@ def test_quantized_kernel_matches_reference_and_the_xla_loop(bits, dim, groups, 
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dim,groups,softcap", [(16, 1, None), (64, 2, 50.0)])
+def test_a_non_finite_value_whose_weight_underflows_still_makes_the_row_nan(dim, groups, softcap):
+    """Several queries per row with different visible ranges (a verify step): a visible slot
+    whose score is far below the maximum has softmax weight exactly 0 in float32, and the
+    vector path skipped slots of weight 0 as if unseen, so its NaN / inf value was dropped
+    and the row came out finite. The contract (the XLA path, the scalar path, one query per
+    row) makes the row NaN; a query that does not see the slot is unaffected."""
+    q = np.zeros((1, groups, 3, dim), np.float32)
+    q[..., 0] = 8.0 * np.sqrt(dim)  # logit = 8 x key[0]
+    k = np.zeros((1, 1, 5, dim), np.float32)
+    k[0, 0, 1, 0], k[0, 0, 2, 0] = -400.0, 400.0  # slot 1 scores 6400 below slot 2 (before the cap)
+    v = np.random.default_rng(0).standard_normal((1, 1, 5, dim)).astype(np.float32)
+    q_pos = [[0, 2, 3]]  # query 0 sees slot 0 only; queries 1 and 2 see slot 1
+    for bad in (np.nan, np.inf):
+        v[0, 0, 1, 3] = bad
+        for implementation in ("kernel", "xla"):
+            got = np.asarray(blockwise_attend(
+                jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos, jnp.int32),
+                kv_lengths=jnp.asarray([4], jnp.int32), implementation=implementation, logit_softcap=softcap))
+            assert np.isnan(got[0, :, 1:]).all(), (implementation, bad)
+            np.testing.assert_allclose(got[0, :, 0], np.broadcast_to(v[0, 0, 0], (groups, dim)), rtol=1e-6)
+
+
 def test_quantized_kernel_non_finite_scales_of_visible_slots_make_the_row_nan():
     """The contract of jaxkv.attention: a non-finite key scale gives a visible slot a
     non-finite logit, a non-finite value scale a non-finite value: the row is NaN, in both

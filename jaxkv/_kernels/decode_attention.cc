@@ -558,7 +558,9 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
     }
     for (int b = nb; b < kQB; ++b) std::fill(scores[b], scores[b] + kChunk, 0.0f);
     // A query's slots outside its own range get weight exactly 0 and are skipped when values
-    // are summed (they may hold NaN or inf); a slot it sees always has a weight above 0.
+    // are summed (they may hold NaN or inf). The skip tests the range, not the weight: a slot
+    // the query sees can have weight 0 too (its score more than ~87 below the maximum), and
+    // its non-finite value must still reach the row (0 * NaN), as on the XLA path.
     for (int64_t c0 = first; c0 < last; c0 += kChunk) {
       const int64_t n = std::min(kChunk, last - c0);
       for (int64_t j = 0; j < n; ++j) {
@@ -587,8 +589,8 @@ void run_piece_vec(const Problem& pb, const Piece& pc, float* part) {
         Vec vr[kNV];
         const float value_scale = load_row<KV, kD>(in, values(c0 + j), in.residual_values, in.value_scales, c0 + j, vr);
         for (int b = 0; b < kQB; ++b) {
+          if (!same_range && (b >= nb || c0 + j < lo[g0 + b] || c0 + j >= hi[g0 + b])) continue;
           const float w = scores[b][j];
-          if (!same_range && w == 0.0f) continue;
           for (int c = 0; c < kNV; ++c) acc[b][c] += (w * value_scale) * vr[c];
         }
       }
