@@ -163,7 +163,8 @@ def test_blockwise_bf16_inputs_keep_dtype(impl):
         (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths"),
         (dict(implementation="pallas"), "implementation must be"),
         (dict(logit_softcap=0.0), "logit_softcap must be positive"),
-        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and finite"),
+        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and at most"),
+        (dict(logit_softcap=3e38), "logit_softcap must be positive and at most"),
     ],
 )
 def test_blockwise_bad_input(kwargs, match):
@@ -356,6 +357,23 @@ def test_loop_edges_a_traced_scale_a_bad_layer_long_lengths_and_huge_positions()
     late = np.full_like(q_pos, 2**31 - 1)
     np.testing.assert_allclose(run("xla", q_pos=late, kv_len=full), numpy_attention(q, k[1], v[1], np.full_like(q_pos, 39), full),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_very_negative_query_position_and_windows_past_int32(impl):
+    """A padding row at position -2**31 beside a real one, with a window and blocks smaller
+    than the buffer: min(q) - W + 1 wrapped past int32 and the loop skipped the real row's
+    blocks (it read zeros); a window past int32's range raised OverflowError. Both now equal
+    the float64 reference (the kernel's answer already did)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 2, 1, 16), (2, 1, 8, 16), (2, 1, 8, 16)))
+    q_pos, kv_len = np.array([[-2**31], [5]]), np.array([0, 6])
+    for window in (4, 9, 2**31 - 1, 2**31 + 5):
+        got = np.asarray(blockwise_attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos),
+                                          kv_lengths=jnp.asarray(kv_len), sliding_window=window, block_size=4,
+                                          implementation=impl))
+        want = numpy_attention(q, k, v, q_pos, kv_len, min(window, 2**40), None)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6, err_msg=f"window {window}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

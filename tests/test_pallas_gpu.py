@@ -530,6 +530,7 @@ def test_what_the_kernels_do_not_take():
                         (dict(block_k=8), "block_k must be a power of two >= 16"),
                         (dict(sliding_window=0), "sliding_window must be a positive int"),
                         (dict(logit_softcap=-1.0), "logit_softcap must be positive"),
-                        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and finite")]:
+                        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and at most"),
+                        (dict(logit_softcap=3e38), "logit_softcap must be positive and at most")]:
         with pytest.raises(ValueError, match=message):
             call(q, view(), **kw)

@@ -217,14 +217,33 @@ def _select(who, implementation, why_not, xla, kernel, args, *, scale):
     return attend_(*args)
 
 
+MAX_SOFTCAP = 1e30
+_INT32_MAX = 2**31 - 1
+
+
+def _window_start(q, sliding_window: int):
+    """The first slot a query at position ``q`` (int32) sees through a window of
+    ``sliding_window`` positions, at least 0. ``q - W + 1`` would wrap for a very negative
+    ``q`` (and a window past int32 would not convert): compared before it is subtracted."""
+    reach = min(sliding_window - 1, _INT32_MAX)
+    return jnp.where(q > reach, q - reach, 0).astype(jnp.int32)
+
+
+def check_softcap(who: str, logit_softcap) -> None:
+    """A soft cap is positive and at most ``MAX_SOFTCAP``: an infinite one makes every logit
+    ``inf * tanh(x / inf) = inf * 0 = NaN``, and past about 1e30 ``x / cap`` leaves float32's
+    normal range (a cap of 3e38 made the softmax uniform, one past float32's max NaN)."""
+    if logit_softcap is not None and not 0 < logit_softcap <= MAX_SOFTCAP:
+        raise ValueError(f"{who}: logit_softcap must be positive and at most {MAX_SOFTCAP:g}, or None (an infinite "
+                         f"cap makes every logit inf * 0 = NaN; Gemma-2 uses 30 and 50), got {logit_softcap!r}.")
+
+
 def _loop_options(who: str, num_tokens: int, sliding_window, logit_softcap, block_size) -> int:
     """Checks the options both blockwise entries share; returns the block size (default:
     512 slots for up to 16 queries, 128 for prefill chunks; see ``blockwise_attend``)."""
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"{who}: sliding_window must be a positive int, got {sliding_window!r}.")
-    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
-        raise ValueError(f"{who}: logit_softcap must be positive and finite, or None (an infinite cap "
-                         f"makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
+    check_softcap(who, logit_softcap)
     if block_size is None:
         block_size = 512 if num_tokens <= 16 else 128
     if not isinstance(block_size, int) or block_size < 1:
@@ -430,14 +449,15 @@ def _blockwise_loop(
     stop = (end + block - 1) // block
     start = jnp.int32(0)
     if sliding_window is not None:
-        start = jnp.maximum(jnp.min(q_pos) - sliding_window + 1, 0) // block
+        start = _window_start(jnp.min(q_pos), sliding_window) // block
     # Blocks that every query of every row sees in full (filled, not in the future, inside
     # the window) need no mask at all: they run a lighter loop body. Only the blocks at the
     # edges (the last, partly filled one, ragged rows, the window's start) pay for masks.
     full_end = jnp.minimum(jnp.min(kv_len), jnp.minimum(jnp.min(q_pos), num_slots - 1) + 1)
     fast_lo = start
     if sliding_window is not None:
-        fast_lo = jnp.maximum(start, (jnp.maximum(jnp.max(q_pos) - sliding_window + 1, 0) + block - 1) // block)
+        first = _window_start(jnp.max(q_pos), sliding_window)  # ceil(first / block) without first + block - 1
+        fast_lo = jnp.maximum(start, first // block + (first % block != 0))
     fast_hi = jnp.clip(jnp.maximum(full_end, 0) // block, fast_lo, stop)
     fast_lo = jnp.minimum(fast_lo, fast_hi)
 
@@ -478,7 +498,8 @@ def _blockwise_loop(
         filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
         visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
         if sliding_window is not None:
-            visible = visible & (q_pos[:, None, :] - slots[None, :, None] < sliding_window)
+            # p - slot <= W - 1 (W - 1 capped at int32's max: a wider window sees every slot)
+            visible = visible & (q_pos[:, None, :] - slots[None, :, None] <= min(sliding_window - 1, _INT32_MAX))
         visible = visible[:, None, :, None, :]  # [B, 1, blk, 1, T]
         # Slots a query does not see may hold anything (NaN, inf): only the visible ones may
         # mark it. Non-finite values are zeroed, so 0 * NaN never enters another query's sum.

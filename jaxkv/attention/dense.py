@@ -183,9 +183,9 @@ def attend(
             f"q_positions must have shape [batch, new_tokens] = {[batch, num_tokens]}, got {list(q_positions.shape)}; "
             "use cache.positions(num_tokens, layer_idx) taken before the update"
         )
-    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
-        raise ValueError(f"logit_softcap must be positive and finite, or None (an infinite cap "
-                         f"makes every logit inf * 0 = NaN), got {logit_softcap!r}")
+    from jaxkv.attention.blockwise import check_softcap
+
+    check_softcap("attend", logit_softcap)
     if implementation not in ("jaxkv", "jax"):
         raise ValueError(f"implementation must be 'jaxkv' or 'jax', got {implementation!r}")
     if implementation == "jax" and logit_softcap is not None:

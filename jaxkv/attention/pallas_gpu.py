@@ -91,6 +91,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv.attention.blockwise import check_softcap
 from jaxkv.attention.blockwise import (
     _check_layer,
     _default_platform,
@@ -238,9 +239,7 @@ def pallas_attend_view(
         raise ValueError(f"pallas_attend_view: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
-    if logit_softcap is not None and not 0 < logit_softcap < float("inf"):
-        raise ValueError(f"pallas_attend_view: logit_softcap must be positive and finite, or None (an infinite cap "
-                         f"makes every logit inf * 0 = NaN), got {logit_softcap!r}.")
+    check_softcap("pallas_attend_view", logit_softcap)
     if paged and block_k not in (None, view.page_size):
         raise ValueError(f"pallas_attend_view: a paged view is read one page per block: block_k must be None or the "
                          f"page size {view.page_size}, got {block_k!r}.")
