@@ -319,6 +319,25 @@ def test_paged_kernel_matches_reference_and_the_xla_loop(dim, groups, tokens, wi
     assert not np.asarray(got[2], np.float64).any()  # the empty row sees nothing: zeros
 
 
+def test_an_int64_block_table_under_x64_reads_as_int32():
+    """Under x64 a hand-built PagedView's block table may be int64; the kernel takes int32
+    (its custom call failed: "expected S32 but got S64" while the XLA loop worked). It is
+    cast, an id past int32's range reading as unmapped (-1), and both paths equal the
+    reference."""
+    kv_len = np.array([45, 20])
+    q, k, v = make_inputs(5, 2, 4, 2, 1, 48, 16, kv_len)
+    pool_k, pool_v, table = to_pages(k, v, kv_len, 16)
+    q_pos = last_positions(kv_len, 1)
+    want = dense_reference(q, k, v, q_pos, kv_len)
+    with jax.enable_x64(True):
+        view = paged_view(pool_k, pool_v, jnp.asarray(table, jnp.int64), kv_len, 0, jnp.float32)
+        assert view.block_table.dtype == jnp.int64
+        for implementation in ("kernel", "xla"):
+            got = paged_blockwise_attend(jnp.asarray(q), view, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                         implementation=implementation)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+
+
 def test_paged_decode_step_program_vmap_and_what_the_paged_kernel_does_not_take():
     """A jitted, donated decode step over a PagedCache: one paged custom call per layer, reading
     the pool in place; vmap over stacked queries equals one call per slice; int8 pages take

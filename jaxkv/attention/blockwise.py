@@ -716,8 +716,11 @@ def paged_blockwise_attend(
     scale = head_dim**-0.5 if scale is None else scale
     scales = (view.key_scales, view.value_scales) if view.bits else ()
     _check_layer(view.layer, view.keys.shape[0], "paged_blockwise_attend")
+    table = view.block_table
+    if table.dtype != jnp.int32:  # e.g. int64 under x64: the kernel reads int32 (ids past it read as unmapped)
+        table = jnp.where((table >= -1) & (table <= _INT32_MAX), table, -1).astype(jnp.int32)
     args = (queries, view.keys, view.values, *scales, jnp.asarray(view.layer, jnp.int32),
-            q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), view.block_table)
+            q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), table)
 
     def xla(queries, keys, values, *rest):
         if view.bits:
