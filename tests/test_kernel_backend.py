@@ -111,3 +111,51 @@ def test_background_build_is_off_with_the_kernel_switched_off(tmp_path, monkeypa
     monkeypatch.setattr(_kernels, "_state", {})
     assert _kernels.start_background_build() is False
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_or_untrusted_build_is_never_loaded(tmp_path, monkeypatch):
+    """A build is used only with the digest its build wrote beside it and only from a
+    directory this user owns and no one else can write to. A truncated library (it crashed
+    the process with SIGBUS in ctypes) or one without a digest is rebuilt; a library planted
+    in a group- or world-writable directory (the /tmp fallback has a predictable name) or in
+    one another user owns is ignored, and the build goes to a trusted directory."""
+    import os
+    import stat
+    import tempfile
+
+    fake = tmp_path / "fake-cxx"
+    log = tmp_path / "runs"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo fake-cxx 1.0; exit 0; fi\n'
+        f'echo run >> "{log}"\n'
+        'while [ "$#" -gt 1 ]; do shift; done\n'
+        'echo built > "$1"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    cache, shared_tmp = tmp_path / "cache", tmp_path / "tmp"
+    shared_tmp.mkdir()
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(shared_tmp))
+
+    first = _kernels.build()
+    assert first.parent == cache and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert _kernels.built() == first and log.read_text().count("run") == 1
+    first.write_bytes(b"bui")  # truncated
+    assert _kernels.built() is None
+    assert _kernels.build() == first and first.read_text() == "built\n" and log.read_text().count("run") == 2
+    (cache / f"{first.name}.sha256").unlink()  # a build from before digests were written
+    assert _kernels.built() is None
+    assert _kernels.build() == first and log.read_text().count("run") == 3
+
+    cache.chmod(0o777)  # writable by others: nothing in it is loaded, nothing is built there
+    assert _kernels.built() is None
+    fallback = _kernels.build()
+    assert fallback.parent.parent == shared_tmp and stat.S_IMODE(fallback.parent.stat().st_mode) == 0o700
+    assert _kernels.built() == fallback
+    if hasattr(os, "getuid") and os.getuid() == 0:  # only root can give a directory to another user
+        os.chown(fallback.parent, 12345, -1)
+        assert _kernels.built() is None
+        with pytest.raises(RuntimeError, match="no writable directory"):
+            _kernels.build()

@@ -118,19 +118,48 @@ def built(compiler: str | None = None) -> Path | None:
     return _existing(name, candidates)
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(directory: Path) -> bool:
+    """A directory whose builds may be loaded: on POSIX, owned by this user and writable by
+    no one else. The fallback under the shared temp directory has a predictable name, and a
+    library another user planted there would run in this process when loaded."""
+    if not hasattr(os, "getuid"):
+        return True
+    try:
+        st = directory.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _existing(name: str, candidates: list[Path]) -> Path | None:
-    return next((d / name for d in candidates if (d / name).exists()), None)
+    """The first complete build of ``name``: in a trusted directory, with the digest its build
+    wrote beside it (a truncated or damaged library crashed the process with SIGBUS when
+    loaded; one without a digest is rebuilt)."""
+    for directory in candidates:
+        path = directory / name
+        digest = directory / f"{name}.sha256"
+        try:
+            if path.is_file() and _trusted(directory) and digest.read_text().strip() == _digest(path):
+                return path
+        except OSError:
+            continue
+    return None
 
 
 def _writable(candidates: list[Path]) -> Path:
     for directory in candidates:  # the first one we can write to (a read-only home falls back to /tmp)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if os.access(directory, os.W_OK):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK) and _trusted(directory):
                 return directory
         except OSError:
             continue
-    raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]}")
+    raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]} "
+                       "(one this user owns and no one else can write to)")
 
 
 def build(compiler: str | None = None) -> Path:
@@ -149,7 +178,10 @@ def build(compiler: str | None = None) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        digest = Path(tmp) / f"{out.name}.sha256"
+        digest.write_text(_digest(partial) + "\n")
         os.replace(partial, out)  # atomic: a concurrent build finds a whole file or none
+        os.replace(digest, out.parent / digest.name)  # after the library: a digest always names a whole file
     return out
 
 
