@@ -377,6 +377,15 @@ def test_a_very_negative_query_position_and_windows_past_int32(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_no_queries_give_an_empty_output(impl):
+    """T = 0 (an empty chunk): the kernel returned the empty array, the XLA loop raised
+    NumPy's "zero-size array to reduction operation max"; both return it now."""
+    out = blockwise_attend(jnp.zeros((2, 4, 0, 16)), jnp.ones((2, 2, 8, 16)), jnp.ones((2, 2, 8, 16)),
+                           q_positions=jnp.zeros((2, 0), jnp.int32), kv_lengths=jnp.array([3, 4]), implementation=impl)
+    assert out.shape == (2, 4, 0, 16) and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_logit_far_below_the_max_weighs_nothing(impl):
     """A slot 200 below the top logit has weight e^-200: nothing, even under a value near
     float32's max (the kernel floored every weight at e^-87, and 3e38 * e^-87 is 4.9)."""

@@ -436,6 +436,8 @@ def _blockwise_loop(
     With ``whole_last_block``, chunks of more than ``PARTIAL_BLOCK_MAX_QUERIES`` queries
     read the last partial block whole."""
     batch, num_q_heads, num_tokens, head_dim = queries.shape
+    if num_tokens == 0 or batch == 0:  # nothing to attend (the kernel returns the empty array too)
+        return jnp.zeros(queries.shape, queries.dtype)
     groups = num_q_heads // num_kv_heads
     block = min(block_size, num_slots)
     q = queries.reshape(batch, num_kv_heads, groups, num_tokens, head_dim)
