@@ -484,7 +484,9 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
     if like is not None:
         _check_like(path, header, abstract, like)
         treedef = jax.tree.structure(like)
-    if sharding is not None and like is None and any("memory" in m for m in header["leaves"]):
+    # (a leaf committed to another device than the default records ("device") too: not offloaded)
+    if sharding is not None and like is None and any(m.get("memory", [0, "device"])[1] != "device"
+                                                     for m in header["leaves"]):
         raise CacheFileError(
             f"{path}: holds an offloaded cache (buffers in host memory), which is never sharded; load it without "
             "sharding= (its buffers go back to host memory) or with like= an offloaded cache."

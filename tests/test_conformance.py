@@ -585,6 +585,19 @@ def test_pickle_round_trip(kind):
     assert type(back) is type(cache)
     chex.assert_trees_all_equal(back, cache)
     assert jax.tree.structure(back) == jax.tree.structure(cache)
+    # copy.copy / deepcopy went through pickling's host round trip, so they failed under jit
+    # and on an abstract cache; an abstract one pickled, then failed to load.
+    import copy
+
+    for dup in (copy.copy(cache), copy.deepcopy(cache)):
+        assert type(dup) is type(cache)
+        chex.assert_trees_all_equal(dup, cache)
+    jax.jit(lambda c: jax.tree.leaves(copy.deepcopy(c)) + jax.tree.leaves(copy.copy(c)))(cache)
+    abstract = jax.eval_shape(lambda: cache)
+    assert jax.tree.structure(copy.deepcopy(abstract)) == jax.tree.structure(cache)
+    if not isinstance(cache, DynamicCache):
+        with pytest.raises(TypeError, match="cannot pickle"):
+            pickle.dumps(abstract)
 
 
 @protocol_kinds

@@ -565,6 +565,13 @@ SHARDED = textwrap.dedent(
         assert str(err).startswith(path) and "not a readable jaxkv Orbax checkpoint" in str(err), err
     else:
         raise AssertionError("a damaged checkpoint loaded")
+    # A cache committed to another device than the default (not offloaded) loads onto a mesh;
+    # it was refused as "an offloaded cache" (its leaves record their device).
+    single = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=4, head_dim=8, max_length=16)
+    for fmt in ("safetensors", "orbax"):
+        other = os.path.join(sys.argv[1], "on-device-1-" + fmt)
+        save_cache(other, jax.device_put(single, jax.devices()[1]), format=fmt)
+        assert len(load_cache(other, sharding=on4).stores[0].keys.sharding.device_set) == 4
     print("OK")
     """
 )
@@ -599,3 +606,18 @@ def test_orbax_sharded_restore_onto_other_meshes(tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def test_a_paged_cache_with_numpy_bits_saves_and_bad_bits_are_refused(tmp_path):
+    """PagedCache(bits=np.int64(8)) worked but could not be saved ("cannot describe the static
+    metadata np.int64(8)"): bits is stored as a Python int. 8.0 and True were accepted / are
+    refused, as QuantizedCache refuses them."""
+    from jaxkv import PagedCache
+
+    cache = PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, max_length=16, bits=np.int64(8))
+    assert type(cache.bits) is int
+    save_cache(tmp_path / "p.safetensors", cache)
+    assert load_cache(tmp_path / "p.safetensors").bits == 8
+    for bad in (8.0, True, 3):
+        with pytest.raises(ValueError, match="bits must be None"):
+            PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, max_length=16, bits=bad)

@@ -61,6 +61,7 @@ what it evicted) send the op down the op-by-op path, which raises them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pickle
 from collections.abc import Iterator
@@ -570,6 +571,14 @@ class KVCache:
 
     # ---- serialisation
 
+    def __copy__(self):
+        # A new container over the same (immutable) arrays: no host round trip, and it works
+        # on traced and abstract caches (copy.copy went through __reduce__ below).
+        return jax.tree.map(lambda x: x, self)
+
+    def __deepcopy__(self, memo):
+        return jax.tree.map(lambda x: copy.deepcopy(x, memo), self)
+
     def __reduce__(self):
         # A sharded cache's static NamedSharding holds a Mesh of live devices, which cannot
         # be pickled: store host arrays and the mesh by axis names, shape and device ids,
@@ -578,6 +587,9 @@ class KVCache:
         # buffers) are put back there, or a "larger than device memory" cache would come
         # back in device memory while its static fields still say offloaded.
         leaves, treedef = jax.tree.flatten(dataclasses.replace(self, sharding=None))
+        if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in leaves):
+            raise TypeError(f"cannot pickle a {self._name} whose arrays are traced (inside jit, vmap, scan) or abstract "
+                            "(jax.eval_shape): pickle a concrete cache, outside the transformation")
         mesh = None
         if self.sharding is not None:
             m = self.sharding.mesh

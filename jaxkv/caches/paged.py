@@ -53,6 +53,7 @@ from jaxkv.caches._checks import (
     _check_sizes,
     _floating_dtype,
     _is_traced,
+    _static_int,
 )
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.views import PagedView
@@ -513,8 +514,10 @@ class PagedCache(KVCache):
         if num_pages is None:
             num_pages = batch_size * max_pages
         _check_sizes(who, num_pages=num_pages)
-        if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
-            raise ValueError(f"{who}: bits must be None (float pages), 8 or 4, got {bits!r}.")
+        if bits is not None:
+            if _static_int(bits) not in (8, 4):  # an int or NumPy int: not a bool, not 8.0
+                raise ValueError(f"{who}: bits must be None (float pages), 8 or 4, got {bits!r}.")
+            bits = _static_int(bits)  # a Python int: it is static metadata (saved in file headers)
         if bits == 4 and head_dim % 2:
             raise ValueError(f"{who}: int4 packs two values per byte, so head_dim must be even, got {head_dim}.")
         dtype = _floating_dtype(dtype, who)
