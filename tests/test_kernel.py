@@ -336,6 +336,15 @@ def test_an_int64_block_table_under_x64_reads_as_int32():
             got = paged_blockwise_attend(jnp.asarray(q), view, q_positions=jnp.asarray(q_pos, jnp.int32),
                                          implementation=implementation)
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+    # narrow and unsigned tables too (the unmapped -1 entries wrap to 255 / 2**32 - 1 there): a
+    # first version of the cast compared them with Python bounds that wrapped, mapping every id to -1
+    base = paged_view(pool_k, pool_v, jnp.asarray(table), kv_len, 0, jnp.float32)
+    for dtype in (jnp.int16, jnp.uint8, jnp.uint32):
+        view = base._replace(block_table=jnp.asarray(table).astype(dtype))
+        for implementation in ("kernel", "xla"):
+            got = paged_blockwise_attend(jnp.asarray(q), view, q_positions=jnp.asarray(q_pos, jnp.int32),
+                                         implementation=implementation)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5, err_msg=str(dtype))
 
 
 def test_paged_decode_step_program_vmap_and_what_the_paged_kernel_does_not_take():

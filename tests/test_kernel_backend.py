@@ -114,11 +114,11 @@ def test_background_build_is_off_with_the_kernel_switched_off(tmp_path, monkeypa
 
 
 def test_a_damaged_or_untrusted_build_is_never_loaded(tmp_path, monkeypatch):
-    """A build is used only with the digest its build wrote beside it and only from a
-    directory this user owns and no one else can write to. A truncated library (it crashed
-    the process with SIGBUS in ctypes) or one without a digest is rebuilt; a library planted
-    in a group- or world-writable directory (the /tmp fallback has a predictable name) or in
-    one another user owns is ignored, and the build goes to a trusted directory."""
+    """A build is used only with the digest its build wrote beside it. A truncated library (it
+    crashed the process with SIGBUS in ctypes) or one without a digest is rebuilt. The cache
+    directory is the user's choice (a group-writable team cache too); the fallback under the
+    shared temp directory has a predictable name, so a library there is loaded only when this
+    user owns the directory and no one else can write to it."""
     import os
     import stat
     import tempfile
@@ -149,13 +149,25 @@ def test_a_damaged_or_untrusted_build_is_never_loaded(tmp_path, monkeypatch):
     assert _kernels.built() is None
     assert _kernels.build() == first and log.read_text().count("run") == 3
 
-    cache.chmod(0o777)  # writable by others: nothing in it is loaded, nothing is built there
+    cache.chmod(0o2775)  # a team's shared cache (group-writable) stays the user's choice
+    assert _kernels.built() == first
+    cache.chmod(0o500)  # not writable: the build goes to the private fallback under the temp directory
+    first.unlink()
+    if not os.access(cache, os.W_OK):  # (root writes anyway)
+        fallback = _kernels.build()
+        assert fallback.parent.parent == shared_tmp and stat.S_IMODE(fallback.parent.stat().st_mode) == 0o700
+    cache.chmod(0o700)
+    fallback_dir = _kernels._fallback_dir()
+    fallback_dir.mkdir(mode=0o700, exist_ok=True)
+    planted = fallback_dir / first.name  # a library with its digest, in the fallback
+    planted.write_text("planted\n")
+    (fallback_dir / f"{first.name}.sha256").write_text(_kernels._digest(planted) + "\n")
+    if (cache / first.name).exists():
+        (cache / first.name).unlink()
+    assert _kernels.built() == planted  # this user's own private fallback: trusted
+    fallback_dir.chmod(0o777)  # writable by others: nothing in it is loaded
     assert _kernels.built() is None
-    fallback = _kernels.build()
-    assert fallback.parent.parent == shared_tmp and stat.S_IMODE(fallback.parent.stat().st_mode) == 0o700
-    assert _kernels.built() == fallback
     if hasattr(os, "getuid") and os.getuid() == 0:  # only root can give a directory to another user
-        os.chown(fallback.parent, 12345, -1)
+        fallback_dir.chmod(0o700)
+        os.chown(fallback_dir, 12345, -1)
         assert _kernels.built() is None
-        with pytest.raises(RuntimeError, match="no writable directory"):
-            _kernels.build()

@@ -104,8 +104,14 @@ def _plan(compiler: str | None = None) -> tuple[str, str, list[Path]]:
         ).encode()
     ).hexdigest()[:16]
     name = f"decode_attention-{key}.so"
-    candidates = [_cache_dir(), Path(tempfile.gettempdir()) / f"jaxkv-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
+    candidates = [_cache_dir(), _fallback_dir()]
     return compiler, name, candidates
+
+
+def _fallback_dir() -> Path:
+    """Where builds go when the cache directory cannot be written: a per-user directory under
+    the shared temp directory (a predictable name others could create first)."""
+    return Path(tempfile.gettempdir()) / f"jaxkv-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def built(compiler: str | None = None) -> Path | None:
@@ -123,10 +129,12 @@ def _digest(path: Path) -> str:
 
 
 def _trusted(directory: Path) -> bool:
-    """A directory whose builds may be loaded: on POSIX, owned by this user and writable by
-    no one else. The fallback under the shared temp directory has a predictable name, and a
-    library another user planted there would run in this process when loaded."""
-    if not hasattr(os, "getuid"):
+    """Whether builds in ``directory`` may be loaded. The user's cache directory (or
+    ``JAXKV_KERNEL_CACHE``, a team's shared one included) is the user's choice. The fallback
+    under the shared temp directory has a predictable name, and a library another user
+    planted there would run in this process: on POSIX it must be owned by this user and
+    writable by no one else."""
+    if directory != _fallback_dir() or not hasattr(os, "getuid"):
         return True
     try:
         st = directory.stat()
@@ -159,7 +167,7 @@ def _writable(candidates: list[Path]) -> Path:
         except OSError:
             continue
     raise RuntimeError(f"no writable directory for the kernel build among {[str(c) for c in candidates]} "
-                       "(one this user owns and no one else can write to)")
+                       "(the temp-directory fallback must be owned by this user and writable by no one else)")
 
 
 def build(compiler: str | None = None) -> Path:

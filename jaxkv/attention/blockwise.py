@@ -719,8 +719,17 @@ def paged_blockwise_attend(
     scales = (view.key_scales, view.value_scales) if view.bits else ()
     _check_layer(view.layer, view.keys.shape[0], "paged_blockwise_attend")
     table = view.block_table
-    if table.dtype != jnp.int32:  # e.g. int64 under x64: the kernel reads int32 (ids past it read as unmapped)
-        table = jnp.where((table >= -1) & (table <= _INT32_MAX), table, -1).astype(jnp.int32)
+    if table.dtype != jnp.int32:  # e.g. int64 under x64: the kernel reads int32
+        # Ids a cast would wrap (past int32's range: invalid page ids anyway) read as unmapped
+        # (-1). Only bounds the dtype can pass are compared: a Python -1 or 2**31 - 1 would
+        # itself wrap in an unsigned or a narrow table.
+        info = jnp.iinfo(table.dtype)
+        wraps = jnp.zeros(table.shape, bool)
+        if info.max > _INT32_MAX:
+            wraps = wraps | (table > jnp.asarray(_INT32_MAX, table.dtype))
+        if info.min < -_INT32_MAX - 1:
+            wraps = wraps | (table < jnp.asarray(-1, table.dtype))
+        table = jnp.where(wraps, -1, table.astype(jnp.int32))
     args = (queries, view.keys, view.values, *scales, jnp.asarray(view.layer, jnp.int32),
             q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), table)
 

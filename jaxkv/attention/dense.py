@@ -107,7 +107,9 @@ def attention_mask(
     filled = slots[None, None, :] < kv_lengths.astype(jnp.int32)[:, None, None]  # [B, 1, S]
     mask = filled & (kv_pos <= q_pos)
     if sliding_window is not None:
-        mask = mask & (q_pos - kv_pos < sliding_window)
+        # p - kv <= W - 1, with W - 1 capped at int32's max (a wider window sees every slot;
+        # the Python int itself would not convert)
+        mask = mask & (q_pos - kv_pos <= min(sliding_window - 1, 2**31 - 1))
     return mask
 
 
