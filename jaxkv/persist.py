@@ -395,7 +395,18 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
     if isinstance(sharding, NamedSharding):
         def place(node):
             if isinstance(node, KVCache):
-                return _tree_shardings(node, sharding.mesh, _fitted_spec(sharding, node._name, node.batch_size))
+                spec = _fitted_spec(sharding, node._name, node.batch_size)
+                axes = spec[1] if len(spec) > 1 else None  # kv heads must split evenly (rows fall back)
+                names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+                devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
+                heads = node.stores[0].keys.shape[2] if node.stores else None
+                if heads is not None and heads % devices:
+                    raise ValueError(
+                        f"load_cache({path!r}): the saved {node._name} has num_kv_heads={heads}, which does not "
+                        f"split over mesh axes {names} ({devices} devices) of sharding spec {tuple(sharding.spec)}; "
+                        f"shard that axis over a divisor of {heads} devices (None: replicated)."
+                    )
+                return _tree_shardings(node, sharding.mesh, spec)
             return NamedSharding(sharding.mesh, P())  # anything else: replicated over the mesh
 
         return jax.tree.leaves(jax.tree.map(place, abstract, is_leaf=lambda x: isinstance(x, KVCache)))

@@ -572,6 +572,14 @@ SHARDED = textwrap.dedent(
         other = os.path.join(sys.argv[1], "on-device-1-" + fmt)
         save_cache(other, jax.device_put(single, jax.devices()[1]), format=fmt)
         assert len(load_cache(other, sharding=on4).stores[0].keys.sharding.device_set) == 4
+    # kv heads that do not split over the mesh: a message that names them (it was JAX's
+    # IndivisibleError about an internal 5-D buffer)
+    try:
+        load_cache(other, sharding=layout(devices, (1, 8)))
+    except ValueError as err:
+        assert "num_kv_heads=4" in str(err) and "does not split over mesh axes" in str(err), err
+    else:
+        raise AssertionError("4 kv heads loaded over 8 devices")
     print("OK")
     """
 )
