@@ -47,27 +47,34 @@ def test_cpu_backend_builds_the_kernel(builds, monkeypatch):
     assert len(builds) == 1
 
 
+def _fake_compiler(tmp_path, monkeypatch):
+    """$CXX: a stand-in compiler that writes "built" to its output path (the last argument)
+    and logs each run; returns the log's path."""
+    import stat
+
+    fake, log = tmp_path / "fake-cxx", tmp_path / "runs"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo fake-cxx 1.0; exit 0; fi\n'
+        f'echo run >> "{log}"\n'
+        'while [ "$#" -gt 1 ]; do shift; done\n'
+        'echo built > "$1"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(fake))
+    return log
+
+
 def test_background_build_leaves_this_process_on_xla_and_a_later_one_finds_the_build(tmp_path, monkeypatch):
     """The CLI's first run on a machine does not wait for the compiler: a detached process
     builds (here a stand-in compiler that writes a file), this process traces the XLA loop,
     a second call while the builder's marker is fresh starts no second builder, and once the
     build is there nothing starts again."""
-    import stat
     import subprocess
     import sys
     import time
 
-    fake = tmp_path / "fake-cxx"
-    log = tmp_path / "runs"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "--version" ]; then echo fake-cxx 1.0; exit 0; fi\n'
-        f'echo run >> "{log}"\n'
-        'while [ "$#" -gt 1 ]; do shift; done\n'  # the last argument is the output path
-        'echo built > "$1"\n'
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("CXX", str(fake))
+    log = _fake_compiler(tmp_path, monkeypatch)
     monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("JAXKV_CPU_KERNEL", raising=False)
     monkeypatch.setattr(_kernels, "_state", {})
@@ -123,19 +130,9 @@ def test_a_damaged_or_untrusted_build_is_never_loaded(tmp_path, monkeypatch):
     import stat
     import tempfile
 
-    fake = tmp_path / "fake-cxx"
-    log = tmp_path / "runs"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "--version" ]; then echo fake-cxx 1.0; exit 0; fi\n'
-        f'echo run >> "{log}"\n'
-        'while [ "$#" -gt 1 ]; do shift; done\n'
-        'echo built > "$1"\n'
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    log = _fake_compiler(tmp_path, monkeypatch)
     cache, shared_tmp = tmp_path / "cache", tmp_path / "tmp"
     shared_tmp.mkdir()
-    monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(cache))
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(shared_tmp))
 

@@ -221,11 +221,18 @@ MAX_SOFTCAP = 1e30
 _INT32_MAX = 2**31 - 1
 
 
+def window_reach(sliding_window: int) -> int:
+    """``W - 1``, the farthest a query sees back through a window of ``W`` positions (it sees
+    ``p - slot <= W - 1``), capped at int32's max: positions are int32, so a wider window sees
+    every slot, and the Python int itself would not convert."""
+    return min(sliding_window - 1, _INT32_MAX)
+
+
 def _window_start(q, sliding_window: int):
     """The first slot a query at position ``q`` (int32) sees through a window of
     ``sliding_window`` positions, at least 0. ``q - W + 1`` would wrap for a very negative
-    ``q`` (and a window past int32 would not convert): compared before it is subtracted."""
-    reach = min(sliding_window - 1, _INT32_MAX)
+    ``q``: compared before it is subtracted."""
+    reach = window_reach(sliding_window)
     return jnp.where(q > reach, q - reach, 0).astype(jnp.int32)
 
 
@@ -500,8 +507,7 @@ def _blockwise_loop(
         filled = (slots[None, :] < kv_len[:, None]) & (slots[None, :] >= first)  # [B, blk]
         visible = filled[:, :, None] & (slots[None, :, None] <= q_pos[:, None, :])  # [B, blk, T]
         if sliding_window is not None:
-            # p - slot <= W - 1 (W - 1 capped at int32's max: a wider window sees every slot)
-            visible = visible & (q_pos[:, None, :] - slots[None, :, None] <= min(sliding_window - 1, _INT32_MAX))
+            visible = visible & (q_pos[:, None, :] - slots[None, :, None] <= window_reach(sliding_window))
         visible = visible[:, None, :, None, :]  # [B, 1, blk, 1, T]
         # Slots a query does not see may hold anything (NaN, inf): only the visible ones may
         # mark it. Non-finite values are zeroed, so 0 * NaN never enters another query's sum.

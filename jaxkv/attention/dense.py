@@ -43,6 +43,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxkv.attention.blockwise import check_softcap, window_reach
+
 __all__ = ["attend", "attention_mask"]
 
 Implementation = Literal["jaxkv", "jax"]
@@ -107,9 +109,7 @@ def attention_mask(
     filled = slots[None, None, :] < kv_lengths.astype(jnp.int32)[:, None, None]  # [B, 1, S]
     mask = filled & (kv_pos <= q_pos)
     if sliding_window is not None:
-        # p - kv <= W - 1, with W - 1 capped at int32's max (a wider window sees every slot;
-        # the Python int itself would not convert)
-        mask = mask & (q_pos - kv_pos <= min(sliding_window - 1, 2**31 - 1))
+        mask = mask & (q_pos - kv_pos <= window_reach(sliding_window))
     return mask
 
 
@@ -185,8 +185,6 @@ def attend(
             f"q_positions must have shape [batch, new_tokens] = {[batch, num_tokens]}, got {list(q_positions.shape)}; "
             "use cache.positions(num_tokens, layer_idx) taken before the update"
         )
-    from jaxkv.attention.blockwise import check_softcap
-
     check_softcap("attend", logit_softcap)
     if implementation not in ("jaxkv", "jax"):
         raise ValueError(f"implementation must be 'jaxkv' or 'jax', got {implementation!r}")
