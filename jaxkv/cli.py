@@ -150,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
         help="reuse the prompt's cache saved in FILE when model and prompt prefix match (only the rest is "
         "prefilled); otherwise save it there after prefill",
     )
+    # the options whose value may be a negative number (see _attach_negative_values)
+    parser.numeric_flags = {a.option_strings[-1] for a in gen._actions if a.type in (int, float) and a.option_strings}
     return parser
 
 
@@ -442,8 +444,33 @@ class _Output:
             raise _OutputError(err) from None
 
 
+def _attach_negative_values(argv: list[str], numeric: set[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a value that starts with ``-`` for a
+    number only in its plain forms (``-1``, ``-.5``), so ``-1e-3`` or ``-inf`` after a numeric
+    option read as another option ("expected one argument") instead of the value."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        if arg in numeric and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{arg}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else list(argv), parser.numeric_flags))
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         print("jaxkv: error: stdout is closed; nowhere to write the text", file=sys.stderr)
         return 1

@@ -60,6 +60,9 @@ def test_generate_streams_text_and_prints_summary(tmp_path):
         (["--top-k", "-1"], "--top-k must be >= 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        # argparse alone read "-1e-3" as another option ("expected one argument" and its usage)
+        (["--temperature", "-1e-3"], "--temperature must be a finite number >= 0 (0 is greedy), got -0.001"),
+        (["--presence-penalty", "-inf"], "--presence-penalty must be a finite number, got -inf"),
         (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
         (["--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0"),
         (["--repetition-penalty", "nan"], "--repetition-penalty must be a finite number"),
@@ -77,6 +80,18 @@ def test_bad_input_is_one_clean_line(args, match, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxkv: error:") and match in lines[0], captured.err
     assert captured.out == ""
+
+
+def test_a_negative_value_in_exponent_form_is_the_option_value():
+    from jaxkv.cli import _attach_negative_values, _parser
+
+    parser = _parser()
+    argv = ["generate", "x", "--presence-penalty", "-1e-3", "--frequency-penalty", "-2", "--seed", "3"]
+    args = parser.parse_args(_attach_negative_values(argv, parser.numeric_flags))
+    assert (args.prompt, args.presence_penalty, args.frequency_penalty, args.seed) == ("x", -1e-3, -2.0, 3)
+    # after "--" everything is positional, and a non-number after an option is left to argparse
+    assert _attach_negative_values(["--", "--seed", "-1e3"], {"--seed"}) == ["--", "--seed", "-1e3"]
+    assert _attach_negative_values(["--seed", "-h"], {"--seed"}) == ["--seed", "-h"]
 
 
 def test_sampling_flags_reach_the_sampler(monkeypatch, capsys):
