@@ -91,6 +91,8 @@ def select_token(
     """
     raw = logits
     logits = apply_penalties(logits, history, sampling)
+    if not sampling.is_greedy:
+        _check_row_keys(row_keys, logits.shape[0])
     if sampling.is_greedy:
         picked = greedy(logits)
     else:
@@ -100,6 +102,20 @@ def select_token(
 
         picked = jax.vmap(one)(logits, row_keys)
     return nan_rows_as_nan_token(raw, picked)
+
+
+def _check_row_keys(row_keys, batch: int) -> None:
+    """Sampling draws row b's token with ``row_keys[b]``: B typed keys (shapes are static, so
+    this check also runs under jit)."""
+    how = f"pass jax.random.split(jax.random.key(seed), {batch})"
+    if row_keys is None:
+        raise ValueError(f"select_token: a sampling config needs row_keys, one PRNG key per row; {how}")
+    if not (isinstance(row_keys, jax.Array) and jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key)):
+        raise TypeError(f"select_token: row_keys must be typed PRNG keys (jax.random.key), got "
+                        f"{getattr(row_keys, 'dtype', type(row_keys).__name__)}; {how}")
+    if row_keys.shape != (batch,):
+        raise ValueError(f"select_token: row_keys must hold {batch} keys (one per row of the logits), got shape "
+                         f"{list(row_keys.shape)}; {how}")
 
 
 def poison_bad_lengths(input_ids: jax.Array, prompt_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -203,6 +203,22 @@ def test_select_token_never_turns_nan_logits_into_a_valid_id(sampling):
     np.testing.assert_array_equal(select_token(logits, keys, 0, sampling), [NAN_TOKEN, 5])
 
 
+@pytest.mark.parametrize(
+    "row_keys, error, match",
+    [
+        (None, ValueError, "a sampling config needs row_keys, one PRNG key per row"),
+        (jax.random.key(0), ValueError, r"row_keys must hold 2 keys .* got shape \[\]"),
+        (jax.random.split(jax.random.key(0), 3), ValueError, r"must hold 2 keys .* got shape \[3\]"),
+        (jax.random.split(jax.random.PRNGKey(0), 2), TypeError, "row_keys must be typed PRNG keys"),
+    ],
+    ids=["none", "one-key", "three-keys", "raw-uint32"],
+)
+def test_select_token_names_missing_or_misshaped_row_keys(row_keys, error, match):
+    """It was JAX's "unexpected PRNG key type" or a vmap axis error from inside the sampler."""
+    with pytest.raises(error, match=match):
+        select_token(jnp.zeros((2, V)), row_keys, 0, SamplingConfig(temperature=0.8))
+
+
 def test_stream_iterated_again_starts_over_from_the_prompt(model):
     prompt_lengths = np.array([4, 2])
     first = np.stack(list(stream(model, CLEAN, 6, prompt_lengths=prompt_lengths)), axis=1)
