@@ -441,6 +441,9 @@ def test_x64_mode_keeps_int32_indices_and_bf16():
          r"seq 8 \(this cache 16\)"),
         (lambda c, k, v: c.put_rows(jnp.array([1]), empty_static(batch_size=1, num_layers=1)), TypeError,
          r"StaticCache of 1 layers; this one: StaticCache of 3\)"),
+        # only the dtype differs: named (it said "another kind or layer layout")
+        (lambda c, k, v: c.put_rows(jnp.array([1]), empty_static(batch_size=1, dtype=jnp.bfloat16)), TypeError,
+         r"put_rows: the other cache has another dtype: bfloat16; this one has float32"),
         (lambda c, k, v: StaticCache.from_dynamic(filled_dynamic(), max_length=3), ValueError,
          r"layer 0 holds 5 tokens, more than max_length=3; pass max_length >= 5"),
     ],

@@ -125,7 +125,9 @@ class KindReference(ReferenceCache):
             for b in range(self.batch):
                 n = self.length(layer, b)
                 target = crop_target(amounts[b], n)
-                if target < n and self.start[layer][b] > max(0, target - window + 1):
+                # the next query (position target) reads positions first..target-1 from the cache
+                first = max(0, target - window + 1)
+                if target < n and first < target and self.start[layer][b] > first:
                     return True
         return False
 
@@ -651,3 +653,32 @@ def test_16_bit_caches_are_written_in_place(dtype):
     out = step(cache, k)
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(out)] == pointers
     assert out.keys.dtype == jnp.dtype(dtype) and (out.keys[1, :, :, 0] == 1).all()
+
+
+def test_float64_without_x64_is_a_float32_cache_that_says_so():
+    """JAX makes float64 arrays float32 unless jax_enable_x64 is on. The caches kept the asked
+    float64 as their dtype: a StaticCache stored its float32 buffers as 16-bit patterns on the
+    first update (an internal broadcast error), a QuantizedCache said float64 and gave float32."""
+    assert not jax.config.jax_enable_x64
+    k = jnp.ones((1, H, 2, D))
+    for kind in (StaticCache, QuantizedCache, SlidingWindowCache):
+        size = {"window": 4} if kind is SlidingWindowCache else {"max_length": 4}
+        cache = kind.init(num_layers=1, batch_size=1, num_kv_heads=H, head_dim=D, dtype=jnp.float64, **size)
+        cache, keys, values = cache.update(k, k, 0)
+        assert cache.dtype == jnp.float32 and keys.dtype == values.dtype == jnp.float32, kind
+        atol = 1 / 254 if kind is QuantizedCache else 0  # int8 codes: within max|x| / 254
+        written = np.abs(np.asarray(keys) - 1) <= atol  # the two tokens' slots (a ring's may be any two)
+        assert written.sum() == 2 * H * D and (np.asarray(keys)[~written] == 0).all(), kind
+
+
+@pytest.mark.parametrize("kind", ["static", "quantized", "paged-int8"])
+def test_a_view_can_leave_jit_and_be_a_cond_result(kind):
+    """A view's dtypes and bit width are tree metadata: as NamedTuple leaves they made
+    ``jit(lambda c: c.view(0))`` fail with "returned a value of type Float32DType"."""
+    cache = filled(kind)
+    eager = cache.view(1)
+    out = jax.jit(lambda c: c.view(1))(cache)
+    assert type(out) is type(eager)
+    chex.assert_trees_all_equal(out.dense(), eager.dense())
+    picked = jax.jit(lambda c, p: jax.lax.cond(p, lambda: c.view(0), lambda: c.view(1)))(cache, False)
+    chex.assert_trees_all_equal(picked.dense(), eager.dense())

@@ -19,8 +19,8 @@ Array = jax.Array
 
 
 def stored_dtype(dtype: Any) -> jnp.dtype:
-    """The dtype a buffer of ``dtype`` is stored in."""
-    dtype = jnp.dtype(dtype)
+    """The dtype a buffer of ``dtype`` is stored in (float64 is float32 without x64, as in JAX)."""
+    dtype = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
     return jnp.dtype(jnp.uint16) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else dtype
 
 

@@ -354,9 +354,11 @@ def _check_extra(value: Any, name: str, who: str, base: int = 0) -> int:
 
 
 def _floating_dtype(dtype: Any, who: str) -> jnp.dtype:
+    """The dtype the buffers really get: float64 is float32 unless ``jax_enable_x64`` is on
+    (as for every JAX array), so the cache reports and casts to what it stores."""
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{who}: dtype must be floating (float32, bfloat16, float16), got {dtype}.")
-    return dtype
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 

@@ -521,8 +521,7 @@ class KVCache:
         who = f"{self._name}.put_rows"
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
             raise TypeError(
-                f"{who}: the other cache has another kind or layer layout ({type(other).__name__} of "
-                f"{other.num_layers} layers; this one: {self._name} of {self.num_layers}). Prefill the rows in "
+                f"{who}: the other cache has another {_static_difference(self, other)}. Prefill the rows in "
                 "a cache made with the same init arguments except batch_size."
             )
         keep = None
@@ -894,3 +893,21 @@ def _check_same_row_layout(mine: tuple, theirs: tuple, who: str) -> None:
                     f"this cache's {x.shape}: {diff or 'another rank'}. Only the batch size may differ: "
                     "build the cache you prefill with the same init arguments except batch_size."
                 )
+
+
+def _static_difference(this: Any, other: Any) -> str:
+    """What makes two caches' tree structures differ, in words (for put_rows' error)."""
+    if (type(this) is not type(other) or this.num_layers != other.num_layers or len(this.stores) != len(other.stores)
+            or this.groups != other.groups):
+        return (f"kind or layer layout ({type(other).__name__} of {other.num_layers} layers; this one: "
+                f"{type(this).__name__} of {this.num_layers})")
+    for i, (a, b) in enumerate(zip(this.stores, other.stores)):
+        if type(a) is not type(b):
+            return f"storage type in its storage {i} ({type(b).__name__}; this one: {type(a).__name__})"
+        for field in dataclasses.fields(a):
+            va, vb = getattr(a, field.name), getattr(b, field.name)
+            if not isinstance(va, (jax.Array, np.ndarray)) and va != vb:
+                where = f" (storage {i})" if len(this.stores) > 1 else ""
+                return f"{field.name}{where}: {vb!s}; this one has {va!s}"
+    return "structure (the same kind and static settings, but other array shapes)"
+

@@ -189,3 +189,24 @@ class PagedView(NamedTuple):
     def slot_positions(self) -> Array:
         """int32[B, M * ps]: the position each slot holds, ``NO_POSITION`` where none."""
         return _filled_positions(self.lengths, self.num_slots)
+
+
+def _register_view(cls: type, static: tuple[str, ...]) -> None:
+    """Registers a view as a pytree whose ``static`` fields (dtypes, bit widths) are tree
+    metadata, not leaves: so a view can be a ``jit`` output, a ``lax.cond`` branch result or
+    a scan carry (as a NamedTuple every field was a leaf, and a dtype is not a JAX type)."""
+    data = tuple(name for name in cls._fields if name not in static)
+
+    def flatten(view):
+        return [getattr(view, name) for name in data], tuple(getattr(view, name) for name in static)
+
+    def unflatten(aux, children):
+        return cls(**dict(zip(data, children)), **dict(zip(static, aux)))
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+
+
+_register_view(ContiguousView, ("dtype",))
+_register_view(QuantizedView, ("bits", "dtype", "scale_dtype"))
+_register_view(PagedView, ("bits", "dtype", "scale_dtype"))
+
