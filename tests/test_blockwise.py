@@ -162,9 +162,12 @@ def test_blockwise_bf16_inputs_keep_dtype(impl):
         (dict(sliding_window=0), "sliding_window must be a positive int"),
         (dict(kv_lengths=jnp.zeros((3,), jnp.int32)), "kv_lengths"),
         (dict(implementation="pallas"), "implementation must be"),
-        (dict(logit_softcap=0.0), "logit_softcap must be positive"),
-        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and at most"),
-        (dict(logit_softcap=3e38), "logit_softcap must be positive and at most"),
+        (dict(logit_softcap=0.0), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
+        (dict(logit_softcap=float("inf")), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
+        (dict(logit_softcap=3e38), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
+        # 1e-46 is 0 in the kernels' float32 attribute, where 0 is "no cap": the kernel and the
+        # Pallas path gave the uncapped result where dense and the XLA loop gave the capped one
+        (dict(logit_softcap=1e-46), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
     ],
 )
 def test_blockwise_bad_input(kwargs, match):
@@ -174,6 +177,35 @@ def test_blockwise_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         blockwise_attend(q, k, k, **args)
+
+
+def test_every_loop_refuses_float_positions_and_3d_queries():
+    """Float positions or lengths were truncated by the int32 cast on the XLA loop, the CPU
+    kernel and Pallas (position 4.9 read as 4) while dense attention refused them; 3-D
+    queries were Python's "not enough values to unpack" on the paged and quantized loops."""
+    from jaxkv.attention import paged_blockwise_attend, pallas_attend_view, quantized_blockwise_attend
+    from jaxkv.caches import PagedCache, QuantizedCache, StaticCache
+
+    sizes = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=16, max_length=32)
+    k = jnp.ones((1, 1, 3, 16))
+    q, pos = jnp.ones((1, 2, 1, 16)), jnp.asarray([[2]], jnp.int32)
+    with pytest.raises(TypeError, match="blockwise_attend: q_positions must be an integer array, got dtype float32"):
+        blockwise_attend(q, k, k, q_positions=pos.astype(jnp.float32), kv_lengths=jnp.asarray([3]))
+    with pytest.raises(TypeError, match="kv_lengths must be an integer array, got dtype float32"):
+        blockwise_attend(q, k, k, q_positions=pos, kv_lengths=jnp.asarray([3.0]))
+    for cache, loop in ((PagedCache.init(**sizes, page_size=16), paged_blockwise_attend),
+                        (QuantizedCache.init(**sizes), quantized_blockwise_attend)):
+        _, view = cache.write(k, k, 0)
+        who = loop.__name__
+        with pytest.raises(TypeError, match=f"{who}: q_positions must be an integer array"):
+            loop(q, view, q_positions=jnp.asarray([[2.9]]))
+        with pytest.raises(TypeError, match=f"{who}: lengths must be an integer array"):
+            loop(q, view._replace(lengths=view.lengths.astype(jnp.float32)), q_positions=pos)
+        with pytest.raises(ValueError, match=rf"{who}: expected queries \[B, Hq, T, D\], got shape \(1, 2, 16\)"):
+            loop(q[:, :, 0], view, q_positions=pos)
+    _, view = StaticCache.init(**sizes).write(k, k, 0)
+    with pytest.raises(TypeError, match="pallas_attend_view: q_positions must be an integer array"):
+        pallas_attend_view(q, view, q_positions=jnp.asarray([[2.9]]), interpret=True)
 
 
 def test_blockwise_refuses_integer_buffers_without_kv_dtype():
@@ -368,7 +400,7 @@ def test_a_very_negative_query_position_and_windows_past_int32(impl):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 2, 1, 16), (2, 1, 8, 16), (2, 1, 8, 16)))
     q_pos, kv_len = np.array([[-2**31], [5]]), np.array([0, 6])
-    for window in (4, 9, 2**31 - 1, 2**31 + 5):
+    for window in (4, 9, 2**31 - 1, 2**31 + 5, 2**64 + 3):  # past int64: the kernel's attribute overflowed
         got = np.asarray(blockwise_attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos),
                                           kv_lengths=jnp.asarray(kv_len), sliding_window=window, block_size=4,
                                           implementation=impl))

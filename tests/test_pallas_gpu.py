@@ -529,8 +529,32 @@ def test_what_the_kernels_do_not_take():
     for kw, message in [(dict(num_splits=5, block_k=16), r"num_splits must be an int in \[1, 4\]"),
                         (dict(block_k=8), "block_k must be a power of two >= 16"),
                         (dict(sliding_window=0), "sliding_window must be a positive int"),
-                        (dict(logit_softcap=-1.0), "logit_softcap must be positive"),
-                        (dict(logit_softcap=float("inf")), "logit_softcap must be positive and at most"),
-                        (dict(logit_softcap=3e38), "logit_softcap must be positive and at most")]:
+                        (dict(logit_softcap=-1.0), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
+                        (dict(logit_softcap=float("inf")), r"logit_softcap must be in \[1e-30, 1e\+30\]"),
+                        (dict(logit_softcap=3e38), r"logit_softcap must be in \[1e-30, 1e\+30\]")]:
         with pytest.raises(ValueError, match=message):
             call(q, view(), **kw)
+
+
+def test_kernels_run_under_x64():
+    """Under jax_enable_x64 a Python int constant is int64 and a float float64: the kernels'
+    block arithmetic (lax.div of int32 by int64) and the residual check's cond (int64 against
+    int32) failed with a TypeError on every call; now each view equals the float64 reference."""
+    from jaxkv.caches import PagedCache, StaticCache
+
+    rng = np.random.default_rng(3)
+    sizes = dict(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=16, max_length=32)
+    made = {"static": StaticCache.init(**sizes), "paged": PagedCache.init(**sizes, page_size=16),
+            "quantized": QuantizedCache.init(**sizes, residual_length=2)}
+    with jax.enable_x64(True):
+        for name, cache in made.items():
+            k = jnp.asarray(rng.standard_normal((2, 1, 5, 16)), jnp.float32)
+            cache, view = cache.write(k, k + 1, 0, num_new=jnp.asarray([5, 3], jnp.int32))
+            q = rng.standard_normal((2, 2, 1, 16)).astype(np.float32)
+            q_pos = np.asarray([[4], [2]], np.int32)
+            dense = view.dense()
+            want = contract_reference(q, np.asarray(dense.keys, np.float64), np.asarray(dense.values, np.float64),
+                                      q_pos, np.asarray([5, 3]))
+            got = pallas_attend_view(jnp.asarray(q), view, q_positions=jnp.asarray(q_pos), interpret=INTERPRET)
+            assert got.dtype == jnp.float32, name
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=name)

@@ -140,6 +140,7 @@ def blockwise_attend(
             f"blockwise_attend: q_positions must be [{batch}, {num_tokens}] and kv_lengths [{batch}], "
             f"got {q_positions.shape} and {kv_lengths.shape}."
         )
+    check_int_inputs("blockwise_attend", q_positions=q_positions, kv_lengths=kv_lengths)
     block_size = _loop_options("blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("blockwise_attend", implementation)
     if kv_dtype is None and not (jnp.issubdtype(keys.dtype, jnp.floating) and values.dtype == keys.dtype):
@@ -218,6 +219,9 @@ def _select(who, implementation, why_not, xla, kernel, args, *, scale):
 
 
 MAX_SOFTCAP = 1e30
+#: The smallest soft cap: one below float32's normal range rounds to 0 (or a denormal) in
+#: the kernels' float32 attribute, where 0 means "no cap".
+MIN_SOFTCAP = 1e-30
 _INT32_MAX = 2**31 - 1
 
 
@@ -236,13 +240,23 @@ def _window_start(q, sliding_window: int):
     return jnp.where(q > reach, q - reach, 0).astype(jnp.int32)
 
 
+def check_int_inputs(who: str, **arrays) -> None:
+    """Positions, lengths and block tables are integers: a float one would be truncated
+    by the int32 cast (position 4.9 read as 4) where dense attention refuses it."""
+    for name, x in arrays.items():
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise TypeError(f"{who}: {name} must be an integer array, got dtype {jnp.result_type(x)}; cast it with "
+                            ".astype(jnp.int32)")
+
+
 def check_softcap(who: str, logit_softcap) -> None:
-    """A soft cap is positive and at most ``MAX_SOFTCAP``: an infinite one makes every logit
+    """A soft cap is in ``[MIN_SOFTCAP, MAX_SOFTCAP]``: an infinite one makes every logit
     ``inf * tanh(x / inf) = inf * 0 = NaN``, and past about 1e30 ``x / cap`` leaves float32's
     normal range (a cap of 3e38 made the softmax uniform, one past float32's max NaN)."""
-    if logit_softcap is not None and not 0 < logit_softcap <= MAX_SOFTCAP:
-        raise ValueError(f"{who}: logit_softcap must be positive and at most {MAX_SOFTCAP:g}, or None (an infinite "
-                         f"cap makes every logit inf * 0 = NaN; Gemma-2 uses 30 and 50), got {logit_softcap!r}.")
+    if logit_softcap is not None and not MIN_SOFTCAP <= logit_softcap <= MAX_SOFTCAP:
+        raise ValueError(f"{who}: logit_softcap must be in [{MIN_SOFTCAP:g}, {MAX_SOFTCAP:g}], or None (an infinite "
+                         f"cap makes every logit inf * 0 = NaN, and a cap that rounds to float32 0 would read as "
+                         f"no cap in the kernels; Gemma-2 uses 30 and 50), got {logit_softcap!r}.")
 
 
 def _loop_options(who: str, num_tokens: int, sliding_window, logit_softcap, block_size) -> int:
@@ -291,7 +305,8 @@ def _ffi_call(queries, *operands, sliding_window, logit_softcap, scale, paged, b
                (False, True): _kernels.QUANTIZED_TARGET, (True, True): _kernels.PAGED_QUANTIZED_TARGET}
     target = targets[bool(paged), bool(bits)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(queries.shape, queries.dtype))
-    attributes = dict(window=np.int64(sliding_window or 0), softcap=np.float32(logit_softcap or 0.0),
+    # a window past int64 sees what one of 2**62 does (positions are int32)
+    attributes = dict(window=np.int64(min(sliding_window or 0, 2**62)), softcap=np.float32(logit_softcap or 0.0),
                       scale=np.float32(scale))
     if bits:
         attributes["bits"] = np.int64(bits)
@@ -597,15 +612,19 @@ def quantized_blockwise_attend(
     Cost scales with tokens stored, like the contiguous path. Same contract, shapes and
     errors as :func:`blockwise_attend`.
     """
+    if queries.ndim != 4:
+        raise ValueError(f"quantized_blockwise_attend: expected queries [B, Hq, T, D], got shape {queries.shape}.")
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, kv_batch, num_kv_heads, num_slots, stored = view.keys.shape
-    if queries.ndim != 4 or kv_batch != batch or num_q_heads % num_kv_heads or view.residual_keys.shape[-1] != head_dim:
+    if kv_batch != batch or num_q_heads % num_kv_heads or view.residual_keys.shape[-1] != head_dim:
         raise ValueError(
             f"quantized_blockwise_attend: queries {queries.shape} do not fit the quantized layer "
             f"{view.keys.shape} (same batch and head_dim; query heads a multiple of kv heads)."
         )
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"quantized_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    check_int_inputs("quantized_blockwise_attend", q_positions=q_positions, lengths=view.lengths,
+                     residual_positions=view.residual_positions)
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("quantized_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
@@ -702,9 +721,11 @@ def paged_blockwise_attend(
     Cost scales with tokens stored, like the contiguous path. Same contract, shapes and
     errors as :func:`blockwise_attend`; ``block_size`` (the XLA loop's) must be a power of two.
     """
+    if queries.ndim != 4:
+        raise ValueError(f"paged_blockwise_attend: expected queries [B, Hq, T, D], got shape {queries.shape}.")
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     _, _, num_kv_heads, page_size, _ = view.keys.shape
-    if queries.ndim != 4 or view.block_table.shape[0] != batch or num_q_heads % num_kv_heads:
+    if view.block_table.shape[0] != batch or num_q_heads % num_kv_heads:
         raise ValueError(
             f"paged_blockwise_attend: queries {queries.shape} do not fit the paged layer (pool "
             f"{view.keys.shape}, block table {view.block_table.shape}): same batch, query heads a "
@@ -712,6 +733,8 @@ def paged_blockwise_attend(
         )
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"paged_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    check_int_inputs("paged_blockwise_attend", q_positions=q_positions, lengths=view.lengths,
+                     block_table=view.block_table)
     block_size = _loop_options("paged_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     if block_size & (block_size - 1):
         raise ValueError(f"paged_blockwise_attend: block_size must be a power of two (pages are), got {block_size}.")

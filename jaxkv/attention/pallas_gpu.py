@@ -91,7 +91,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.attention.blockwise import check_softcap
+from jaxkv.attention.blockwise import check_int_inputs, check_softcap
 from jaxkv.attention.blockwise import (
     _check_layer,
     _default_platform,
@@ -237,6 +237,12 @@ def pallas_attend_view(
     num_slots = view.num_slots if paged else view.keys.shape[3]
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"pallas_attend_view: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    ints = dict(q_positions=q_positions, lengths=view.lengths)
+    if paged:
+        ints["block_table"] = view.block_table
+    if isinstance(view, QuantizedView):
+        ints["residual_positions"] = view.residual_positions
+    check_int_inputs("pallas_attend_view", **ints)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"pallas_attend_view: sliding_window must be a positive int or None, got {sliding_window!r}.")
     check_softcap("pallas_attend_view", logit_softcap)
@@ -444,9 +450,10 @@ def _split_kernel(
     length, lo, hi = bounds_ref[b, 0], bounds_ref[b, 1], bounds_ref[b, 2]
     # This split's share of the row's range [lo, hi): block-aligned chunks of equal size.
     span = jnp.maximum(hi - lo, 0)
-    chunk = pl.cdiv(pl.cdiv(span, num_splits), block_k) * block_k
+    # int32 constants throughout: under jax_enable_x64 a Python int is int64 (lax.div refuses the mix)
+    chunk = pl.cdiv(pl.cdiv(span, jnp.int32(num_splits)), jnp.int32(block_k)) * jnp.int32(block_k)
     start = lo + j * chunk
-    num_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, hi) - start, 0), block_k)
+    num_blocks = pl.cdiv(jnp.maximum(jnp.minimum(start + chunk, hi) - start, jnp.int32(0)), jnp.int32(block_k))
 
     num_slots = k_ref.shape[3]  # S (paged: the page size, unused)
     qpos = qpos_ref[b, :]  # [M]
@@ -508,14 +515,14 @@ def _split_kernel(
         visible = visible & ((window <= 0) | (qpos[:, None] - slots[None, :] < window))
         if residual:  # positions a used residual slot holds are counted there, exactly
             def covered():
-                hit = jnp.where(slots[:, None] == rpos[None, :], 1, 0)
+                hit = jnp.where(slots[:, None] == rpos[None, :], jnp.int32(1), jnp.int32(0))
                 return jnp.max(hit, axis=1)
 
             near = (off < res_hi) & (off + block_k > res_lo)
             skip = jax.lax.cond(near, covered, lambda: jnp.zeros((block_k,), jnp.int32))
             visible = visible & (skip[None, :] == 0)
         bad = ~jnp.isfinite(raw) | bad_value[None, :]
-        flag = jnp.maximum(flag, jnp.max(jnp.where(visible & bad, 1.0, 0.0), axis=1))
+        flag = jnp.maximum(flag, jnp.max(jnp.where(visible & bad, jnp.float32(1), jnp.float32(0)), axis=1))
         capped = jnp.where(softcap > 0, softcap * jnp.tanh(raw / softcap), raw)
         logits = jnp.where(visible & ~bad, capped, _NEG_INF)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
@@ -533,7 +540,7 @@ def _split_kernel(
 
     carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows,), jnp.float32), *[jnp.zeros((rows, part), jnp.float32) for _ in range(parts)])
-    running_max, running_sum, flag, *acc = jax.lax.fori_loop(0, num_blocks, body, carry)
+    running_max, running_sum, flag, *acc = jax.lax.fori_loop(jnp.int32(0), num_blocks.astype(jnp.int32), body, carry)
     for i, a in enumerate(acc):
         acc_ref[:, pl.ds(i * part, part)] = a
     m_ref[...] = running_max
