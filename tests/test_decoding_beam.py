@@ -134,7 +134,9 @@ def _hf_beams(hf, ids, eos, **kw):
 
 
 @pytest.mark.parametrize(
-    "early_stopping, length_penalty", [(False, 1.0), (True, 2.0), ("never", -0.5), (False, -0.5)]
+    "early_stopping, length_penalty",
+    # "never" with a positive penalty: the bound on unfinished beams uses the longest possible length
+    [(False, 1.0), (True, 2.0), ("never", -0.5), (False, -0.5), ("never", 1.0), ("never", 2.0)],
 )
 def test_matches_transformers_generate(hf_pair, early_stopping, length_penalty):
     hf, model, ids, eos = hf_pair

@@ -137,6 +137,42 @@ def test_per_row_min_p_and_penalties_follow_their_definitions():
     np.testing.assert_allclose(got, want)  # row 1 (1.0 / 0.0 / 0.0) unchanged despite its history
 
 
+def test_per_row_top_p_and_the_key_rule_follow_their_definitions():
+    """Each row's top-p keeps the smallest most-likely set reaching p, and the draw is
+    ``categorical(fold_in(PRNGKey(seed), index))`` (README: a request's tokens depend on itself
+    only). The engine tests compare runs with each other; a _sample_rows that ignored top_p
+    or drew every token with index 0 passed them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv.decoding.engine import _sample_rows
+
+    rows = 4000
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = jnp.asarray(np.tile(np.log(probs), (rows, 1)), jnp.float32)
+    top_p = np.where(np.arange(rows) % 2 == 0, 0.5, 1.0).astype(np.float32)  # even rows: 0.4 + 0.25 reach 0.5
+    seeds, index = np.arange(rows, dtype=np.uint32) % 97, np.arange(rows, dtype=np.int32) // 97
+    picked = np.asarray(_sample_rows(logits, jnp.ones(rows), jnp.asarray(top_p), jnp.zeros(rows), jnp.asarray(seeds),
+                                     jnp.asarray(index)))
+    assert set(picked[0::2]) == {0, 1} and set(picked[1::2]) == set(range(6))
+    share = np.mean(picked[0::2] == 0)  # 0.4 / 0.65 of the kept mass; 2000 draws: sd 0.011
+    assert abs(share - 0.4 / 0.65) < 0.05, share
+    # rows without a filter: exactly the draw of the documented key from the row's distribution
+    want = [int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(int(seeds[r])), int(index[r])),
+                                       jnp.log(jnp.asarray(probs, jnp.float32)))) for r in range(1, 400, 2)]
+    np.testing.assert_array_equal(picked[1:400:2], want)
+
+
+def test_a_request_top_p_reaches_its_row(model, reference):
+    """A top-p that keeps only the most likely token makes a hot sampler greedy: the
+    request's top_p reaches the row's filter (at temperature 5 alone the draws wander)."""
+    hot = [EngineRequest(p, N, temperature=5.0, top_p=1e-6, seed=i) for i, p in enumerate(PROMPTS)]
+    assert [list(r.tokens) for r in engine(model).run(hot)] == reference
+    unfiltered = [EngineRequest(p, N, temperature=5.0, seed=i) for i, p in enumerate(PROMPTS)]
+    assert [list(r.tokens) for r in engine(model).run(unfiltered)] != reference
+
+
 def test_tiny_temperature_gives_the_argmax():
     # logits / 1e-37 overflowed to +-inf: the draw was the lowest overflowed id, not the argmax.
     import jax
