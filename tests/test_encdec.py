@@ -188,6 +188,12 @@ def test_beam_reorder_and_fan_out_move_both_parts():
     logits, _ = run(swapped, TOKENS[::-1, 4:], [1, 1])
     expected = np_forward(src[::-1], src_len[::-1], np.concatenate([TOKENS[::-1, :4], TOKENS[::-1, 4:6]], 1))
     np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
+    # a beam step's index repeats rows (and [1, 0] is its own inverse: a gather/scatter mix-up
+    # would pass it); both parts must follow
+    both = np.array([1, 1])
+    logits, _ = run(cache.reorder_cache(jnp.asarray(both)), TOKENS[both, 4:], [1, 1])
+    expected = np_forward(src[both], src_len[both], np.concatenate([TOKENS[both, :4], TOKENS[both, 4:6]], 1))
+    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
     fanned = cache.batch_repeat_interleave(2)  # rows a, a, b, b; each continues differently
     more = np.random.default_rng(3).integers(0, VOCAB, (4, 2))
     logits, _ = run(fanned, more, [2])

@@ -9,6 +9,7 @@ pickling) is tested once per kind in test_conformance.py."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -140,7 +141,7 @@ def test_update_and_attend_equals_numpy_attention_per_layer_kind():
     """A 4-layer pass per chunk: sliding layers see a band, full layers all earlier tokens."""
     rng = np.random.default_rng(0)
     cache = make()
-    history = {layer: [np.zeros((H, 0, D), np.float32)] * 2 for layer in range(len(TYPES))}
+    history = {(layer, b): [np.zeros((H, 0, D), np.float32)] * 2 for layer in range(len(TYPES)) for b in range(B)}
 
     @jax.jit
     def forward(cache, q, k, v):  # one pass over every layer, as a model does
@@ -159,16 +160,16 @@ def test_update_and_attend_equals_numpy_attention_per_layer_kind():
         v = rng.standard_normal((len(TYPES), B, H, t, D)).astype(np.float32)
         with jax.numpy_rank_promotion("allow"):  # attend() broadcasts [S] with [B, 1]
             out, cache = forward(cache, q, k, v)
-        for layer, kind in enumerate(TYPES):
-            hk, hv = history[layer]
-            hk = np.concatenate([hk, k[layer, 0]], axis=1)
-            hv = np.concatenate([hv, v[layer, 0]], axis=1)
-            history[layer] = [hk, hv]
+        for (layer, kind), b in itertools.product(enumerate(TYPES), range(B)):  # every row: its own data
+            hk, hv = history[layer, b]
+            hk = np.concatenate([hk, k[layer, b]], axis=1)
+            hv = np.concatenate([hv, v[layer, b]], axis=1)
+            history[layer, b] = [hk, hv]
             window = W if kind == SLIDING else 10**6
             for i in range(t):
-                p = int(positions[0, i])
-                expected = band_attention(q[layer, 0, :, i], hk[:, : p + 1], hv[:, : p + 1], p, window)
-                np.testing.assert_allclose(np.asarray(out[layer, 0, :, i]), expected, rtol=2e-5, atol=2e-5)
+                p = int(positions[b, i])
+                expected = band_attention(q[layer, b, :, i], hk[:, : p + 1], hv[:, : p + 1], p, window)
+                np.testing.assert_allclose(np.asarray(out[layer, b, :, i]), expected, rtol=2e-5, atol=2e-5)
     assert cache.sliding.capacity == W + EXTRA and cache.get_seq_length(1) == 12
 
 
