@@ -15,8 +15,12 @@
 * ``prefix`` (goal (b)): 64 requests sharing a 1K-token system prompt, with and without
   the prefix cache: prompt tokens computed, time to first token, throughput.
 * ``fork``: copy-on-write fan-out of a 1K-token prompt to 16 rows, static vs paged.
+* ``pool``: the decode step at one fill over pools of 1K to 1M tokens (the write's page
+  plan reads [P]-sized arrays; a step that needs no new page skips it).
+* ``pool_rows``: 16 rows growing at staggered fills (some row takes a new page on most
+  steps), 8K- against 1M-token pool.
 
-    python benchmarks/bench_paged.py [--sections attention memory prefix fork] [--fills 1024 8192 32768]
+    python benchmarks/bench_paged.py [--sections attention memory prefix fork pool pool_rows] [--fills 1024 8192 32768]
         [--dtypes float32 bfloat16] [--repeats 10] [--rounds 3] [--json benchmarks/results/paged.json]
 """
 
@@ -73,11 +77,11 @@ def make_cache(kind: str, fill: int, dtype) -> StaticCache | PagedCache:
     return shuffled_pages(cache) if kind == "paged" else cache
 
 
-def decode_step():
+def decode_step(kv_heads: int = KV_HEADS):
     def step(cache, x):  # x: [B, Hq, 1, D]
         positions = cache.positions(1)
         for layer in range(LAYERS):
-            kv = x[:, :KV_HEADS] * 0.5  # this layer's new key/value, from the previous layer's output
+            kv = x[:, :kv_heads] * 0.5  # this layer's new key/value, from the previous layer's output
             x, cache = cache_attention(x, kv, kv, cache, layer, positions=positions)
         return cache.crop(-1), x
 
@@ -288,7 +292,92 @@ def fork_table(args) -> dict:
     return out
 
 
-SECTIONS = {"attention": attention_table, "memory": memory_table, "prefix": prefix_table, "fork": fork_table}
+def pool_table(args) -> dict:
+    """Section "pool": the decode step of section "attention" at one fill (not on a page
+    boundary: each step writes into a page its row alone holds, as 15 of 16 decode steps do)
+    over pools of growing size. The write's page plan (free pages, copy-on-write holders) reads
+    [P]-sized arrays; a step that needs no new page skips it, so the step should not grow with
+    the pool."""
+    # A small head (2 kv / 4 query heads of 16): attention over the fill is cheap, so what grows
+    # with the pool shows; and a 1M-token pool is 512 MiB.
+    kv_heads, q_heads, head_dim = 2, 4, 16
+    x = jax.random.normal(jax.random.key(1), (BATCH, q_heads, 1, head_dim), jnp.float32)
+    fill = args.pool_fill
+    sizes = dict(num_layers=LAYERS, batch_size=BATCH, num_kv_heads=kv_heads, head_dim=head_dim)
+    states = {}
+    for tokens in args.pool_tokens:
+        cache = PagedCache.init(max_length=fill + 8 * PAGE_SIZE, page_size=PAGE_SIZE, num_pages=tokens // PAGE_SIZE,
+                                **sizes)
+        k = jax.random.normal(jax.random.key(0), (BATCH, kv_heads, fill, head_dim), jnp.float32)
+        for layer in range(LAYERS):
+            cache, _, _ = cache.update(k, k, layer)
+        states[tokens] = {"cache": shuffled_pages(cache)}
+    steps = decode_step(kv_heads)
+    best = {tokens: float("inf") for tokens in states}
+    for _ in range(args.rounds):
+        for tokens, state in states.items():
+
+            def step_call(state=state):
+                state["cache"], out = steps(state["cache"], x)
+                out.block_until_ready()
+
+            best[tokens] = min(best[tokens], time_calls(step_call, repeats=args.repeats))
+    smallest = min(best)
+    results = {str(tokens): {"pages": tokens // PAGE_SIZE, "step_ms": t * 1e3, "vs_smallest": t / best[smallest]}
+               for tokens, t in best.items()}
+    print(f"\npool: the decode step of section attention with {kv_heads} kv / {q_heads} query heads of {head_dim} "
+          f"(float32, fill {fill}, pages of {PAGE_SIZE} shuffled in the pool, crop(-1) after each step), pools of "
+          "growing size, timed side by side in alternating rounds (best round's median).")
+    print_table(["pool tokens", "pages", "step ms", f"vs {smallest}"],
+                [[tokens, r["pages"], f"{r['step_ms']:.3f}", f"{r['vs_smallest']:.2f}x"]
+                 for tokens, r in ((int(t), r) for t, r in results.items())])
+    return results
+
+
+def pool_rows_table(args) -> dict:
+    """Section "pool_rows": 16 rows at staggered fills growing one token per step (no crop), so
+    that on most steps some row takes a new page and the write runs its page plan, over an
+    8K-token pool and a 1M-token one."""
+    kv_heads, q_heads, head_dim, batch, steps_per_call = 2, 4, 16, 16, 8
+    x = jnp.ones((batch, q_heads, 1, head_dim), jnp.float32)
+
+    def grow(cache, x):
+        for _ in range(steps_per_call):
+            positions = cache.positions(1)
+            y = x
+            for layer in range(LAYERS):
+                kv = y[:, :kv_heads] * 0.5
+                y, cache = cache_attention(y, kv, kv, cache, layer, positions=positions)
+        return cache, y
+
+    grow = jax.jit(grow, donate_argnums=0)
+    states = {}
+    for tokens in (8192, 1048576):
+        cache = PagedCache.init(num_layers=LAYERS, batch_size=batch, num_kv_heads=kv_heads, head_dim=head_dim,
+                                max_length=4096, page_size=PAGE_SIZE, num_pages=tokens // PAGE_SIZE)
+        k = jnp.ones((batch, kv_heads, 320, head_dim))
+        fills = jnp.asarray(200 + np.arange(batch) * 7, jnp.int32)  # rows cross page boundaries on different steps
+        for layer in range(LAYERS):
+            cache, _, _ = cache.update(k, k, layer, num_new=fills)
+        states[tokens] = {"cache": cache}
+    best = {tokens: float("inf") for tokens in states}
+    for _ in range(args.rounds):
+        for tokens, state in states.items():
+
+            def call(state=state):
+                state["cache"], out = grow(state["cache"], x)
+                out.block_until_ready()
+
+            best[tokens] = min(best[tokens], time_calls(call, repeats=args.repeats) / steps_per_call)
+    ratio = best[1048576] / best[8192]
+    print(f"\npool_rows: {batch} rows at staggered fills, one token per step ({LAYERS} layers, {kv_heads} kv / "
+          f"{q_heads} query heads of {head_dim}, pages of {PAGE_SIZE}): {best[8192] * 1e3:.3f} ms per step with an "
+          f"8K-token pool, {best[1048576] * 1e3:.3f} ms with a 1M-token one ({ratio:.2f}x)")
+    return {"step_ms_8k": best[8192] * 1e3, "step_ms_1m": best[1048576] * 1e3, "ratio": ratio}
+
+
+SECTIONS = {"attention": attention_table, "memory": memory_table, "prefix": prefix_table, "fork": fork_table,
+            "pool": pool_table, "pool_rows": pool_rows_table}
 
 
 def main() -> None:
@@ -301,6 +390,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16, help="attention: tokens per page")
     parser.add_argument("--requests", type=int, default=300, help="memory: requests served")
     parser.add_argument("--budget-tokens", type=int, default=16384, help="memory: cache budget in tokens")
+    parser.add_argument("--pool-fill", type=int, default=1000, help="pool: tokens held")
+    parser.add_argument("--pool-tokens", type=int, nargs="*", default=[1152, 131072, 1048576],
+                        help="pool: pool sizes in tokens")
     parser.add_argument("--json", default="benchmarks/results/paged.json")
     args = parser.parse_args()
     global PAGE_SIZE
