@@ -463,3 +463,20 @@ def test_release_under_jit_frees_no_row_page_and_flags():
     other, _, _ = dataclasses.replace(kept, flags=jnp.zeros_like(kept.flags)).update(
         tokens * 0 + 99, tokens * 0 + 99, 0, num_new=jnp.array([0, 4]))
     np.testing.assert_array_equal(np.asarray(other[0][0][0, 0, :4, 0]), [1, 2, 3, 4])
+
+
+def test_first_free_pages_equal_numpy():
+    """The allocator's search for the n lowest free page ids (blocked, for speed) against
+    np.flatnonzero: pools not a multiple of the block, smaller than it, fuller than n."""
+    from jaxkv.caches.paged import _first_free
+
+    rng = np.random.default_rng(0)
+    for num_pages, n, share in [(1, 1, 0.5), (7, 4, 0.5), (256, 9, 0.02), (300, 5, 0.99), (1000, 40, 0.01),
+                                (4096, 3, 0.0), (4097, 16, 0.3)]:
+        for _ in range(3):
+            refcount = np.where(rng.random(num_pages) < share, 0, rng.integers(1, 4, num_pages)).astype(np.int32)
+            ids, num_free = _first_free(jnp.asarray(refcount), n)
+            want = np.flatnonzero(refcount == 0)[:n]
+            want = np.concatenate([want, np.full(n - len(want), num_pages)])
+            np.testing.assert_array_equal(np.asarray(ids), want, err_msg=f"{num_pages} pages, n {n}")
+            assert int(num_free) == int((refcount == 0).sum())
