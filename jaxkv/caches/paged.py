@@ -14,8 +14,8 @@ Everything is arrays, so allocation happens inside ``jit``:
 
 * ``refcount: int32[P]`` counts the holders of each page (rows' block tables, plus pins
   taken by a host-side prefix index with :meth:`PagedCache.retain`); a page is free iff
-  its count is 0. A write that needs new pages takes the lowest free ids (``jnp.nonzero``
-  with a static size); crop, reset and row selection release pages.
+  its count is 0. A write that needs new pages takes the lowest free ids (``_first_free``:
+  a static number of them); crop, reset and row selection release pages.
 * Forking shares pages: ``batch_repeat_interleave``, ``reorder_cache``,
   ``batch_select_indices`` copy block-table entries and bump counts, never page data.
   A write into a page held by more than one row first copies that page (all layers) to a
@@ -418,7 +418,7 @@ class PagedStorage:
         need = need & fits[:, None]
         flat = need.reshape(-1)
         rank = jnp.cumsum(flat.astype(jnp.int32)) - 1
-        free_ids = jnp.nonzero(free, size=flat.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
+        free_ids, _ = _first_free(base.refcount, flat.shape[0])
         fresh = jnp.where(flat, free_ids[jnp.clip(rank, 0, flat.shape[0] - 1)], num_pages)
         src = jnp.where(flat, theirs.reshape(-1), 0)
         pools = {
