@@ -292,6 +292,21 @@ def fork_table(args) -> dict:
     return out
 
 
+def _alternating(states: dict, program, x, args) -> dict:
+    """Best-round median seconds per call of ``program(cache, x) -> (cache, out)`` on each
+    state's cache (donated, carried on), the states timed side by side in alternating rounds."""
+    best = {key: float("inf") for key in states}
+    for _ in range(args.rounds):
+        for key, state in states.items():
+
+            def call(state=state):
+                state["cache"], out = program(state["cache"], x)
+                out.block_until_ready()
+
+            best[key] = min(best[key], time_calls(call, repeats=args.repeats))
+    return best
+
+
 def pool_table(args) -> dict:
     """Section "pool": the decode step of section "attention" at one fill (not on a page
     boundary: each step writes into a page its row alone holds, as 15 of 16 decode steps do)
@@ -312,16 +327,7 @@ def pool_table(args) -> dict:
         for layer in range(LAYERS):
             cache, _, _ = cache.update(k, k, layer)
         states[tokens] = {"cache": shuffled_pages(cache)}
-    steps = decode_step(kv_heads)
-    best = {tokens: float("inf") for tokens in states}
-    for _ in range(args.rounds):
-        for tokens, state in states.items():
-
-            def step_call(state=state):
-                state["cache"], out = steps(state["cache"], x)
-                out.block_until_ready()
-
-            best[tokens] = min(best[tokens], time_calls(step_call, repeats=args.repeats))
+    best = _alternating(states, decode_step(kv_heads), x, args)
     smallest = min(best)
     results = {str(tokens): {"pages": tokens // PAGE_SIZE, "step_ms": t * 1e3, "vs_smallest": t / best[smallest]}
                for tokens, t in best.items()}
@@ -360,15 +366,7 @@ def pool_rows_table(args) -> dict:
         for layer in range(LAYERS):
             cache, _, _ = cache.update(k, k, layer, num_new=fills)
         states[tokens] = {"cache": cache}
-    best = {tokens: float("inf") for tokens in states}
-    for _ in range(args.rounds):
-        for tokens, state in states.items():
-
-            def call(state=state):
-                state["cache"], out = grow(state["cache"], x)
-                out.block_until_ready()
-
-            best[tokens] = min(best[tokens], time_calls(call, repeats=args.repeats) / steps_per_call)
+    best = {tokens: t / steps_per_call for tokens, t in _alternating(states, grow, x, args).items()}
     ratio = best[1048576] / best[8192]
     print(f"\npool_rows: {batch} rows at staggered fills, one token per step ({LAYERS} layers, {kv_heads} kv / "
           f"{q_heads} query heads of {head_dim}, pages of {PAGE_SIZE}): {best[8192] * 1e3:.3f} ms per step with an "
