@@ -241,12 +241,13 @@ def _window_start(q, sliding_window: int):
 
 
 def check_int_inputs(who: str, **arrays) -> None:
-    """Positions, lengths and block tables are integers: a float one would be truncated
-    by the int32 cast (position 4.9 read as 4) where dense attention refuses it."""
+    """Positions, lengths and block tables are integers on every attention path: a float
+    one would be truncated by the int32 cast (position 4.9 read as 4). ``who`` ("" for none)
+    starts the message."""
     for name, x in arrays.items():
         if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise TypeError(f"{who}: {name} must be an integer array, got dtype {jnp.result_type(x)}; cast it with "
-                            ".astype(jnp.int32)")
+            raise TypeError(f"{who + ': ' if who else ''}{name} must be an integer array, got dtype "
+                            f"{jnp.result_type(x)}; cast it with .astype(jnp.int32)")
 
 
 def check_softcap(who: str, logit_softcap) -> None:

@@ -43,7 +43,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.blockwise import check_softcap, window_reach
+from jaxkv.attention.blockwise import check_int_inputs, check_softcap, window_reach
 
 __all__ = ["attend", "attention_mask"]
 
@@ -53,8 +53,7 @@ Implementation = Literal["jaxkv", "jax"]
 def _check_int_array(name: str, x: jax.Array, shape: tuple[int, ...], fix: str) -> None:
     if x.shape != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}; {fix}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}; cast it with .astype(jnp.int32)")
+    check_int_inputs("", **{name: x})
 
 
 def _check_window(sliding_window: int | None) -> None:

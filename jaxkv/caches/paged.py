@@ -83,8 +83,8 @@ def _first_free(refcount: Array, n: int) -> tuple[Array, Array]:
     """``(ids, num_free)``: the ``n`` lowest ids of pages with count 0 (``num_pages`` past the
     last one), and how many there are. In blocks of up to 256 pages: one pass counts each
     block's free pages, a cumulative sum over the blocks finds the block of the k-th free page
-    and a search inside that block its place (``jnp.nonzero(size=n)`` took 2.7x as long over
-    64K pages on the CPU: its cumulative sum runs over every page)."""
+    and a search inside that block its place (``jnp.nonzero(size=n)``, used before, runs a
+    cumulative sum over every page; ``bench_paged.py --sections pool_rows``)."""
     num_pages = refcount.shape[0]
     width = min(256, num_pages)
     blocks = -(-num_pages // width)
@@ -294,8 +294,9 @@ class PagedStorage:
         # The page plan below reads per-page arrays ([P]: refcounts, holders, free ids): O(pool)
         # work. A step whose rows all write into pages they alone hold (a decode step, save
         # one in every page_size tokens, and every layer after the first of a step) needs
-        # none of it: a loop of 0 trips skips it (a [P]-sized scan per layer made a decode
-        # step of a 4-layer model 2-3x slower at a 128K-token pool than at 1K on the CPU).
+        # none of it: a loop of 0 trips skips it (with the plan on every write, the decode step
+        # of ``bench_paged.py --sections pool`` was 1.84x slower over a 128K-token pool than
+        # over 1K, 5.73x over 1M).
         needs_plan = jnp.any(touched & (~held | shared))
         # Tie the copy-on-write to this layer's new keys (``dst`` is unchanged: it is at most
         # ``num_pages``). Without a data dependence XLA may run the pool copy before the
@@ -311,8 +312,8 @@ class PagedStorage:
             # computes from values the loop does not change (loop-invariant code motion), and
             # the plan would run on every write again.
             counts = carry[1]
-            plan = self._plan_pages(table, counts, all_lengths, old, blk, cur, touched, held, holders, shared, rows)
-            copied, fresh = plan[1], plan[2]  # the blocks copied on write, the fresh page ids
+            need, copied, fresh, per_row, fits, num_free = self._plan_pages(
+                table, counts, all_lengths, old, blk, cur, touched, held, holders, shared, rows)
             src = jnp.where(copied.reshape(-1), cur.reshape(-1), num_pages)
             dst = jnp.minimum(jnp.where(copied.reshape(-1), fresh, num_pages), num_pages + sign.astype(jnp.int32))
 
@@ -321,13 +322,13 @@ class PagedStorage:
                 return {f: x.at[:, dst].set(x[:, safe], mode="drop") for f, x in pools.items()}
 
             counts = counts.at[fresh].add(1, mode="drop").at[src].add(-1, mode="drop")  # pages taken and left
-            return (jax.lax.fori_loop(0, jnp.any(copied).astype(jnp.int32), copy_pages, carry[0]), counts, *plan)
+            pools = jax.lax.fori_loop(0, jnp.any(copied).astype(jnp.int32), copy_pages, carry[0])
+            return pools, counts, need, fresh, per_row, fits, num_free
 
         # Without a plan: nothing to allocate or copy (num_free is only read when a row does not fit).
-        nothing = jnp.zeros(blk.shape, bool)
-        carry = (self._pools(), refcount, nothing, nothing, jnp.full((batch * span,), num_pages, jnp.int32),
+        carry = (self._pools(), refcount, jnp.zeros(blk.shape, bool), jnp.full((batch * span,), num_pages, jnp.int32),
                  jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool), jnp.int32(-1))
-        pools, refcount, need, shared, fresh, per_row, fits, num_free = jax.lax.fori_loop(
+        pools, refcount, need, fresh, per_row, fits, num_free = jax.lax.fori_loop(
             0, needs_plan.astype(jnp.int32), plan_and_copy, carry)
         fresh = fresh.reshape(batch, span)
         table = table.at[rows, jnp.where(in_range, blk, max_pages)].set(
