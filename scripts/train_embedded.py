@@ -171,6 +171,19 @@ def parse_args(argv=None):
         help="write the tokenizer and token streams to this directory and stop (for --data on another machine)",
     )
     p.add_argument("--data", default=None, help="train on a directory written by --write-data instead of this stdlib")
+    p.add_argument(
+        "--unlikelihood-every",
+        type=int,
+        default=0,
+        help="every K-th step also continues --ul-batch function headers of the training files with the "
+        "model itself (--ul-temperature, --ul-tokens) and adds the sequence-level unlikelihood loss on "
+        "the tokens that repeat an --ul-ngram of their continuation (scripts/unlikelihood.py); 0: off",
+    )
+    p.add_argument("--ul-ngram", type=int, default=8)
+    p.add_argument("--ul-batch", type=int, default=16)
+    p.add_argument("--ul-tokens", type=int, default=192)
+    p.add_argument("--ul-temperature", type=float, default=0.2)
+    p.add_argument("--ul-weight", type=float, default=1.0)
     p.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -463,6 +476,22 @@ def grow_depth(model, n_layers: int) -> list[int]:
     return origin
 
 
+def unlikelihood_prompts(corpus) -> list[str]:
+    """The function headers (as ``eval_embedded.py`` cuts them) of the training files of this
+    Python's stdlib: the unlikelihood loss's prompts, never a validation file's or a tuning
+    package's. The corpus (``--data``) must come from this Python's stdlib."""
+    import sysconfig
+
+    from eval_embedded import function_headers
+    from stdlib_corpus import collect_sources, split_files
+
+    if corpus.get("python") and corpus["python"] != platform.python_version():
+        raise SystemExit(f"--unlikelihood-every: the data was made from Python {corpus['python']}'s stdlib and "
+                         f"this is {platform.python_version()}: its training files may not be the data's")
+    train_files, _ = split_files(collect_sources(Path(sysconfig.get_paths()["stdlib"])))
+    return [header for _, _, header in function_headers(train_files)]
+
+
 def lr_at(step, args, progress=None):
     """Linear warmup over ``args.warmup`` steps, then cosine decay to ``min_lr_ratio``.
 
@@ -657,6 +686,9 @@ def main(argv=None):
     planned_steps = args.steps
     marks = [(0, time.time())]  # (steps done, time) every 25 steps, for the step-time estimate
     t_train = marks[0][1]
+    ul_headers = unlikelihood_prompts(corpus) if args.unlikelihood_every else None
+    ul_gen = torch.Generator().manual_seed(args.seed)
+    ul_running = {"loss": 0.0, "candidates": 0, "tokens": 0, "steps": 0}
     model.train()
     step = 0
     t_decay = None  # when the warmup ended (--train-minutes)
@@ -674,8 +706,24 @@ def main(argv=None):
         batch = torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts]).astype(np.int64)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = lm_loss(model, batch)
+        total = loss
+        if args.unlikelihood_every and step % args.unlikelihood_every == 0:
+            import unlikelihood
+
+            picked = [ul_headers[i] for i in rng.choice(len(ul_headers), args.ul_batch, replace=False)]
+            ul_out, ul_mask, width, kept = unlikelihood.continuations(
+                model, tok, picked, eot_id=eot_id, max_new_tokens=args.ul_tokens,
+                temperature=args.ul_temperature, generator=ul_gen, device=device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                ul, n_cand, n_tok = unlikelihood.unlikelihood_loss(model, ul_out, ul_mask, width, kept, args.ul_ngram)
+            if ul is not None:
+                total = loss + args.ul_weight * ul
+                ul_running["loss"] += float(ul.detach())
+            ul_running["candidates"] += n_cand
+            ul_running["tokens"] += n_tok
+            ul_running["steps"] += 1
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         running += loss.detach()  # summed on the device: no host sync per step
@@ -712,6 +760,11 @@ def main(argv=None):
                 "elapsed_s": round(time.time() - t_train, 1),
             }
             running, running_n = 0.0, 0
+            if ul_running["steps"]:
+                # the share of the model's own continuations (training headers) that repeat an n-gram
+                rec["ul_loss"] = ul_running["loss"] / ul_running["steps"]
+                rec["ul_repeat_share"] = ul_running["candidates"] / max(1, ul_running["tokens"])
+                ul_running = {"loss": 0.0, "candidates": 0, "tokens": 0, "steps": 0}
             if done % args.eval_every == 0 or last or over_time:
                 rec["val_loss"] = evaluate(model, val_windows, args.batch)
                 if best is None or rec["val_loss"] < best["val_loss"]:
@@ -723,6 +776,7 @@ def main(argv=None):
             print(
                 f"step {done:5d}/{args.steps}  train {rec['train_loss']:.4f}"
                 + (f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+                + (f"  ul {rec['ul_loss']:.3f} repeats {rec['ul_repeat_share']:.3f}" if "ul_loss" in rec else "")
                 + f"  lr {lr:.2e}  {rec['elapsed_s']:.0f}s",
                 flush=True,
             )
@@ -736,7 +790,9 @@ def main(argv=None):
     steps_done = history[-1]["step"]
     restored = None
     final_val = [h["val_loss"] for h in history if "val_loss" in h][-1]
-    if best is not None and best["val_loss"] < final_val:
+    # An unlikelihood run trades some validation loss for fewer repeats by design: it keeps its
+    # last weights (scripts/eval_embedded.py --prompt-set tune decides whether they ship).
+    if best is not None and best["val_loss"] < final_val and not args.unlikelihood_every:
         model.load_state_dict(best["state"])
         restored = {"step": best["step"], "val_loss": best["val_loss"], "last_val_loss": final_val}
         print(f"validation loss rose to {final_val:.4f}: saving the weights of step {best['step']} "

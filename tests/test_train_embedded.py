@@ -206,3 +206,86 @@ def test_the_shipped_model_finds_the_repository_log():
     log = train_embedded.find_prior_log(train_embedded.SHIPPED_MODEL, [train_embedded.SHIPPED_LOG])
     assert log is not None
     assert log == json.loads(train_embedded.SHIPPED_LOG.read_text())
+
+
+# ----------------------------------------------------- --unlikelihood-every (scripts/unlikelihood.py)
+
+import unlikelihood  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=30), st.integers(1, 5))
+def test_repeat_candidates_are_the_later_occurrences_of_an_ngram(ids, n):
+    """Position t is a candidate iff the n tokens ending at t also end at some s < t."""
+    expected = [t >= n - 1 and any(ids[s - n + 1 : s + 1] == ids[t - n + 1 : t + 1] for s in range(n - 1, t))
+                for t in range(len(ids))]
+    assert unlikelihood.repeat_candidates(ids, n).tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_function_length_keeps_what_the_evaluation_scores(data):
+    """The kept tokens are the function eval_embedded.score parses, wherever the token
+    boundaries fall: up to the first non-blank line at column 0, or the end-of-text piece."""
+    import eval_embedded
+
+    header = "def f(x):"
+    body = data.draw(st.sampled_from(["\n    return x\n", "\n    y = x\n\n    return y\n", "\n    pass\n  \n"]))
+    after = data.draw(st.sampled_from(["def g():\n    pass\n", "x = 1\n", "<eot>", ""]))
+    text = body + ("" if after == "<eot>" else after)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(text) - 1), max_size=8))) | {len(body)} - {len(text)})
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])] + (["<eot>"] if after == "<eot>" else [])
+    k = unlikelihood.function_length(pieces, "<eot>")
+    assert "".join(pieces[:k]) == body
+    scored = eval_embedded.score(header, text, after == "<eot>")
+    alone = eval_embedded.score(header, "".join(pieces[:k]), True)
+    assert alone["text"].rstrip("\n") == scored["text"].rstrip("\n") and alone["parses"] == scored["parses"]
+
+
+def test_a_piece_that_starts_the_next_line_at_column_0_is_not_kept():
+    assert unlikelihood.function_length(["\n    return x", "\n", "def", " g"]) == 2
+    assert unlikelihood.function_length(["\n    return x", "\ndef", " g"]) == 2  # newline + column 0 in one piece
+    assert unlikelihood.function_length(["\n    return x", "\n    y"]) == 2  # no end: all of it
+
+
+def test_an_unlikelihood_step_lowers_the_probability_of_the_repeated_tokens(tok):
+    """On a tiny model: continuations come back left-padded with the prompt at the right
+    end, and one SGD step on the loss lowers p(token) where the continuation repeats itself
+    while the loss ignores the prompt and the tokens past the function."""
+    import torch
+
+    torch.manual_seed(0)
+    args = Namespace(hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, max_positions=64)
+    model = train_embedded.make_model(args, tok.get_vocab_size(), 0)
+    headers = ["def f(x):", "class A:\n    def g(self):"]
+    out, mask, width, kept = unlikelihood.continuations(
+        model, tok, headers, eot_id=0, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, width + 6) and mask[:, width:].all()
+    for b, h in enumerate(headers):
+        ids = tok.encode(h).ids
+        assert out[b, width - len(ids) : width].tolist() == ids and not mask[b, : width - len(ids)].any()
+    assert all(0 <= k <= 6 for k in kept)
+
+    # hand-made continuations after 3 prompt slots: row 0 generates 5 6 5 6 5 6, whose
+    # 2-grams repeat at positions 6, 7, 8; row 1's function ends after 2 generated tokens
+    # (6 5: no repeat), so its later repeats do not count
+    out = torch.tensor([[0, 9, 7, 5, 6, 5, 6, 5, 6], [9, 9, 5, 6, 5, 6, 5, 6, 5]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    loss, candidates, tokens = unlikelihood.unlikelihood_loss(model, out, mask, 3, [6, 2], 2)
+    assert (candidates, tokens) == (3, 8)
+
+    def p_repeats():
+        with torch.no_grad():
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            probs = model(input_ids=out[:1, :-1], attention_mask=mask[:1, :-1], position_ids=positions[:1, :-1]).logits
+            probs = probs.softmax(-1)[0]
+        return torch.stack([probs[t - 1, out[0, t]] for t in (6, 7, 8)])
+
+    before = p_repeats()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert (p_repeats() < before).all()
