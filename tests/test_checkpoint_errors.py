@@ -65,6 +65,15 @@ def _set(**changes):
             "hidden_size",
             "\\(190\\) is not divisible by 'num_attention_heads' \\(6\\)",
         ),
+        # null is no default (transformers refuses it): float(None) was the whole message, or,
+        # inside a rope dict, a TypeError at the first forward
+        (_set(rope_theta=None), "rope_theta", "must be a positive finite number \\(leave the key out"),
+        (_set(rms_norm_eps=None), "rms_norm_eps", "must be a positive finite number .*, got null"),
+        (_set(rope_parameters={"rope_type": "linear", "factor": None}), "rope_parameters.factor", "got null"),
+        (_set(use_sliding_window=True, max_window_layers=None), "max_window_layers", "when use_sliding_window"),
+        # transformers runs a model with is_causal false bidirectionally; jaxkv decoded it causally
+        (_set(is_causal=False), "is_causal", "which no key/value cache can decode"),
+        (_set(is_causal="false"), "is_causal", "must be true or false"),
         (_drop("vocab_size"), "vocab_size", "missing required key"),
         (_set(hidden_act="gelu"), "hidden_act", "is not supported"),
     ],

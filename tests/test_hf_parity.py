@@ -308,6 +308,49 @@ def test_tied_config_with_its_own_lm_head_keeps_it_as_transformers_does(tmp_path
     assert not from_pretrained(directory).config.tie_word_embeddings
 
 
+def test_a_tied_checkpoint_holding_only_lm_head_loads_as_in_transformers(tmp_path):
+    """transformers ties in both directions: with tie_word_embeddings and only lm_head.weight
+    in the file, the embedding is that matrix. jaxkv refused it (missing embed_tokens)."""
+    directory = str(tmp_path)
+    _build("qwen2", directory)  # tied: the file has the embedding only
+    _edit_weights(directory, lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}))
+    assert _relative_error_against_transformers(directory) <= 1e-4
+    assert from_pretrained(directory).config.tie_word_embeddings
+
+
+def test_transformers_weights_names_the_file_to_load_as_in_transformers(checkpoint, tmp_path):
+    """config.json's transformers_weights names the weights transformers loads (a file or an
+    index, before model.safetensors); jaxkv read the stale model.safetensors beside it."""
+    directory, hf = checkpoint
+    named = str(tmp_path / "named")
+    shutil.copytree(directory, named)
+    torch.manual_seed(1)
+    other = type(hf)(hf.config).eval()
+    other.save_pretrained(str(tmp_path / "other"))
+    shutil.copy(tmp_path / "other" / "model.safetensors", os.path.join(named, "weights-v2.safetensors"))
+    _edit_config(named, transformers_weights="weights-v2.safetensors")
+    assert _relative_error_against_transformers(named) <= 1e-4
+    np.testing.assert_array_equal(  # and not by chance: the stale file's weights differ
+        np.asarray(from_pretrained(named).model.embed_tokens.embedding[...]),
+        other.model.embed_tokens.weight.detach().numpy())
+
+    other.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    for name in os.listdir(tmp_path / "sharded"):
+        if name.startswith("model-"):
+            shutil.copy(tmp_path / "sharded" / name, named)
+    shutil.copy(tmp_path / "sharded" / "model.safetensors.index.json", os.path.join(named, "v2.safetensors.index.json"))
+    _edit_config(named, transformers_weights="v2.safetensors.index.json")
+    assert _relative_error_against_transformers(named) <= 1e-4
+
+    for value, match in [("../model.safetensors", "must name a file inside the checkpoint directory"),
+                         ("pytorch_model.bin", "must name a .safetensors file or a .safetensors.index.json"),
+                         (3, "got the number 3"),
+                         ("gone.safetensors", "gone.safetensors: file not found \\(named by 'transformers_weights'")]:
+        _edit_config(named, transformers_weights=value)
+        with pytest.raises(CheckpointError, match=match):
+            from_pretrained(named)
+
+
 @pytest.mark.parametrize(
     "family, keys",
     [

@@ -123,3 +123,15 @@ def test_moe_configs_slide_where_transformers_attention_slides(name):
     assert layer_types_from_config(raw) == (want, 4)
     assert layer_types_from_config(config) == (want, 4)
     assert HybridCache.from_config(raw, batch_size=1, max_length=16).layer_types == want
+
+
+def test_a_config_built_by_hand_needs_a_window_for_its_sliding_layers():
+    """Layers marked sliding with no window attended to every token, silently."""
+    from jaxkv.models import LlamaConfig
+
+    with pytest.raises(ValueError, match="marks layers as sliding but sliding_window is None"):
+        LlamaConfig.tiny(sliding_layers=(True, False))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window must be a positive integer or None"):
+            LlamaConfig.tiny(sliding_window=bad, sliding_layers=(True, False))
+    assert LlamaConfig.tiny(sliding_window=4, sliding_layers=(True, False)).sliding_window == 4

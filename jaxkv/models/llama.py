@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,6 +124,16 @@ class LlamaConfig:
             raise ValueError(
                 f"sliding_layers has {len(self.sliding_layers)} entries, expected one per layer ({self.num_layers})"
             )
+        if any(self.sliding_layers) and self.sliding_window is None:
+            raise ValueError(
+                "sliding_layers marks layers as sliding but sliding_window is None; give the window "
+                "(sliding_window=W) or mark no layer sliding"
+            )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, numbers.Integral)
+            or self.sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> LlamaConfig:
@@ -169,6 +180,13 @@ class LlamaConfig:
                 raise ValueError(f"{source}: missing required key {key!r} for {arch}")
             return hf[key]
 
+        if hf.get("is_causal", True) is False:
+            # transformers' masks then let every token see every other (an embedding model's
+            # bidirectional use): there is no cached decoding of such a model.
+            raise ValueError(
+                f"{source}: is_causal is false: transformers runs this model bidirectionally (every token "
+                "sees the later ones), which no key/value cache can decode; jaxkv loads causal models only"
+            )
         if hf.get("hidden_act", "silu") not in _SILU_NAMES:
             raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported, expected 'silu'")
         num_heads = need("num_attention_heads")
@@ -209,7 +227,7 @@ class LlamaConfig:
                 rope["original_max_position_embeddings"] = _DEFAULT_MAX_POSITIONS.get(arch) if context is None else context
         if rope_type != "default":
             required = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
-            missing = [k for k in required if k not in rope]
+            missing = [k for k in required if rope.get(k) is None]
             if missing:
                 raise ValueError(f"{source}: rope_type {rope_type!r} needs rope parameter(s) {missing}")
             scaling = tuple(sorted((k, rope[k]) for k in required)) + (("rope_type", rope_type),)

@@ -115,7 +115,7 @@ _INT_KEYS = (
     "original_max_position_embeddings",
 )
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
-_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "is_causal")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")
 _ROPE_NUMBER_KEYS = ("rope_theta", "factor", "high_freq_factor", "low_freq_factor",
                      "original_max_position_embeddings", "partial_rotary_factor")
@@ -173,9 +173,11 @@ def _check_hf_config(hf: Any, source: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise bad(key, "a positive integer" if minimum else "an integer >= 0")
     for key in _NUMBER_KEYS:
-        value = hf.get(key)
-        if value is not None and not (_is_number(value) and 0 < value < math.inf):
-            raise bad(key, "a positive finite number")
+        # null is no default: transformers refuses it (rope_theta null made float(None) fail)
+        if key in hf and not (_is_number(hf[key]) and 0 < hf[key] < math.inf):
+            raise bad(key, "a positive finite number (leave the key out for the default)")
+    if hf.get("use_sliding_window") and "max_window_layers" in hf and hf["max_window_layers"] is None:
+        raise bad("max_window_layers", "an integer >= 0 when use_sliding_window is true")
     for key in _BOOL_KEYS:
         if hf.get(key) is not None and not isinstance(hf[key], bool):
             raise bad(key, "true or false")
@@ -189,7 +191,7 @@ def _check_hf_config(hf: Any, source: str) -> None:
             raise bad(key, "an object")
         for name in _ROPE_NUMBER_KEYS:  # every one positive: a rope_theta of 0 gave NaN logits
             value = rope.get(name)
-            if value is not None and not (_is_number(value) and 0 < value < math.inf):
+            if name in rope and not (_is_number(value) and 0 < value < math.inf):
                 raise CheckpointError(
                     f"{source}: key '{key}.{name}' must be a positive finite number, got {_json_type(value)}"
                 )
@@ -222,25 +224,45 @@ def _check_hf_config(hf: Any, source: str) -> None:
         )
 
 
-def _weight_files(directory: str) -> dict[str, str]:
-    """Maps each tensor key to the safetensors file that holds it.
+def _weight_files(directory: str, hf: dict, config_path: str) -> tuple[dict[str, str], str]:
+    """Maps each tensor key to the safetensors file that holds it, and names the file (or
+    index) the map came from.
 
-    ``model.safetensors`` comes first where both it and an index are present, as in
-    transformers' ``from_pretrained`` (a directory re-saved with other shard sizes may keep both).
+    As in transformers' ``from_pretrained``: the file the config's ``transformers_weights``
+    names (a ``.safetensors`` file or a ``.safetensors.index.json`` inside the directory)
+    comes first, then ``model.safetensors``, then the index (a directory re-saved with other
+    shard sizes may keep both).
     """
     single = os.path.join(directory, WEIGHTS_FILE)
     index = os.path.join(directory, INDEX_FILE)
-    if os.path.isfile(single):
+    explicit = hf.get("transformers_weights")
+    if explicit is not None:
+        if not isinstance(explicit, str) or not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            raise CheckpointError(
+                f"{config_path}: key 'transformers_weights' must name a .safetensors file or a "
+                f".safetensors.index.json index, got {_json_type(explicit)}"
+            )
+        named = os.path.join(directory, explicit)
+        base = os.path.abspath(directory)
+        if os.path.commonpath([base, os.path.abspath(named)]) != base:
+            raise CheckpointError(
+                f"{config_path}: key 'transformers_weights' must name a file inside the checkpoint directory, "
+                f"got {explicit!r}"
+            )
+        if not os.path.isfile(named):
+            raise CheckpointError(f"{named}: file not found (named by 'transformers_weights' in {config_path})")
+        single, index = (None, named) if explicit.endswith(".index.json") else (named, None)
+    if single is not None and os.path.isfile(single):
         from safetensors import safe_open
 
         with _open_safetensors(single, safe_open) as f:
-            return {key: single for key in f.keys()}
-    if os.path.isfile(index):
+            return {key: single for key in f.keys()}, single
+    if index is not None and os.path.isfile(index):
         index_json = _read_json(index, "a weight index")
         weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor keys to shard files")
-        return {key: os.path.join(directory, shard) for key, shard in weight_map.items()}
+        return {key: os.path.join(directory, shard) for key, shard in weight_map.items()}, index
     raise CheckpointError(
         f"{directory}: no weights found; expected {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors are supported)"
     )
@@ -248,7 +270,7 @@ def _weight_files(directory: str) -> dict[str, str]:
 
 def _open_safetensors(path: str, safe_open):
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: file not found (listed in {INDEX_FILE})")
+        raise CheckpointError(f"{path}: file not found (listed in the weight index)")
     try:
         return safe_open(path, framework="numpy")
     except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
@@ -278,17 +300,24 @@ def _lm_head_differs(files: dict[str, str]) -> bool:
 
 def _load_tensors(
     config: LlamaConfig, directory: str, dtype: jnp.dtype, model_shapes: dict[tuple[Any, ...], tuple[int, ...]],
-    *, stacked: bool, files: dict[str, str],
+    *, stacked: bool, files: dict[str, str], source: str,
 ) -> dict[tuple[Any, ...], jax.Array]:
-    """Reads, checks and converts every tensor the model needs, one shard open at a time."""
+    """Reads, checks and converts every tensor the model needs, one shard open at a time.
+
+    ``source``: the weight file or index ``files`` came from (for messages)."""
     from safetensors import safe_open
 
     needed = {key: (path, layer, transpose) for key, path, layer, transpose in hf_weight_names(config, stacked=stacked)}
+    stored = {key: key for key in needed}  # the checkpoint's name of each needed tensor
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if config.tie_word_embeddings and embed not in files and head in files:
+        # transformers ties in either direction: a tied checkpoint may keep only the output projection
+        stored[embed] = head
+        files = {**files, embed: files[head]}
     missing = [key for key in needed if key not in files]
     if missing:
-        where = WEIGHTS_FILE if os.path.isfile(os.path.join(directory, WEIGHTS_FILE)) else INDEX_FILE
         raise CheckpointError(
-            f"{os.path.join(directory, where)}: missing tensor {missing[0]!r}"
+            f"{source}: missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             + f" needed by {config.architecture}"
         )
@@ -297,7 +326,7 @@ def _load_tensors(
         for key in files
         if key not in needed
         and not key.endswith(_IGNORED_SUFFIXES)
-        and not (key == "lm_head.weight" and config.tie_word_embeddings)
+        and not (key == head and config.tie_word_embeddings)
     ]
     if unexpected:
         raise CheckpointError(
@@ -325,18 +354,18 @@ def _load_tensors(
                 expected = model_shapes[path] if layer is None else model_shapes[path][1:]
                 hf_shape = tuple(expected[::-1]) if transpose else tuple(expected)
                 try:
-                    got = tuple(f.get_slice(key).get_shape())
+                    got = tuple(f.get_slice(stored[key]).get_shape())
                 except Exception as e:
                     raise CheckpointError(f"{file}: tensor {key!r} is listed but cannot be read ({e})") from e
                 if got != hf_shape:
                     raise CheckpointError(
-                        f"{file}: tensor {key!r} has shape {list(got)}, expected {list(hf_shape)} "
+                        f"{file}: tensor {stored[key]!r} has shape {list(got)}, expected {list(hf_shape)} "
                         f"from {CONFIG_FILE}; the weights and the config do not belong together"
                     )
                 try:
-                    array = f.get_tensor(key)
+                    array = f.get_tensor(stored[key])
                 except Exception as e:
-                    raise CheckpointError(f"{file}: tensor {key!r} is corrupt ({e})") from e
+                    raise CheckpointError(f"{file}: tensor {stored[key]!r} is corrupt ({e})") from e
                 if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
                     raise CheckpointError(f"{file}: tensor {key!r} has dtype {array.dtype}, expected a float")
                 if layer is None:
@@ -418,7 +447,7 @@ def from_pretrained(
     except (TypeError, KeyError, ValueError) as e:
         message = str(e)
         raise CheckpointError(message if message.startswith(config_path) else f"{config_path}: {message}") from e
-    files = _weight_files(directory)
+    files, source = _weight_files(directory, hf_config, config_path)
     if config.tie_word_embeddings and _lm_head_differs(files):
         # As transformers does: the checkpoint's own output projection, not the embedding.
         config = dataclasses.replace(config, tie_word_embeddings=False)
@@ -430,7 +459,7 @@ def from_pretrained(
     flat_state = nnx.to_flat_state(state)
     tensors = _load_tensors(
         config, directory, dtype, {p: var.get_value().shape for p, var in flat_state}, stacked=abstract.scan_layers,
-        files=files,
+        files=files, source=source,
     )
     flat = [(p, var.replace(tensors[p])) for p, var in flat_state]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
