@@ -208,3 +208,29 @@ def test_compiles_once_for_new_prompts_penalties_and_stopping_modes(hf_pair):
     beam_search(model, ids[::-1], HF_N, length_penalty=0.3, early_stopping="never", **kw)
     beam_search(model, ids, HF_N, length_penalty=-2.0, early_stopping=True, **kw)
     assert _beam_search._cache_size() == before
+
+
+@pytest.mark.parametrize("early_stopping", ["never", False])
+def test_one_beam_is_transformers_greedy_whatever_early_stopping_says(hf_pair, early_stopping):
+    """transformers runs greedy search for num_beams=1 (early_stopping ignored): the first EOS
+    ends the sequence. A one-beam search with "never" and a positive length penalty went on
+    past that EOS with its second-best token."""
+    hf, model, ids, _ = hf_pair
+    with torch.no_grad():
+        plain = hf.generate(torch.tensor(ids), max_new_tokens=HF_N, do_sample=False).numpy()[:, ids.shape[1]:]
+    checked = 0
+    for row in range(len(ids)):
+        for pos in (1, 2, 3):
+            eos = int(plain[row, pos])
+            if eos in plain[row, :pos]:
+                continue
+            with torch.no_grad():
+                want = hf.generate(torch.tensor(ids[row:row + 1]), max_new_tokens=HF_N, do_sample=False, num_beams=1,
+                                   eos_token_id=eos, pad_token_id=eos, early_stopping=early_stopping,
+                                   length_penalty=1.0).numpy()[0, ids.shape[1]:]
+            out = beam_search(model, ids[row:row + 1], HF_N, num_beams=1, eos_token_id=eos,
+                              early_stopping=early_stopping, length_penalty=1.0)
+            assert int(out.lengths[0, 0]) == len(want) == pos + 1
+            np.testing.assert_array_equal(np.asarray(out.sequences)[0, 0, : len(want)], want)
+            checked += 1
+    assert checked >= 2

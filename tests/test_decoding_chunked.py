@@ -108,3 +108,21 @@ def test_errors(model):
         chunked_prefill(model, ids, model.init_cache(1, 4), chunk_size=2)
     with pytest.raises(TypeError, match="cache must be a jaxkv cache"):
         chunked_prefill(model, ids, None, chunk_size=2)
+
+
+def test_a_pool_that_runs_out_and_a_cache_of_another_batch_are_errors():
+    """A page pool too small for the prompt: chunked_prefill returned logits of a truncated
+    prompt (the flag set, no error; free_slots counts slots, not pages). A cache of 3 rows
+    for 2 prompts: NumPy's broadcast error."""
+    from jaxkv.caches import CacheError
+
+    model = make_model(seed=6)
+    ids = _prompts([7], 7)
+    cache = model.init_cache(1, 32, kind="paged", page_size=4, num_pages=1)
+    with pytest.raises(CacheError, match="found no free page"):
+        chunked_prefill(model, ids, cache, chunk_size=3)
+    roomy = model.init_cache(1, 32, kind="paged", page_size=4, num_pages=2)
+    last, roomy = chunked_prefill(model, ids, roomy, chunk_size=3)
+    assert int(roomy.seq_lengths(0)[0]) == 7 and not np.asarray(roomy.flags).any()
+    with pytest.raises(ValueError, match="input_ids has 2 rows but the cache has 3; build the cache with batch_size=2"):
+        chunked_prefill(model, _prompts([3, 2], 3), model.init_cache(3, CAPACITY), chunk_size=2)

@@ -94,3 +94,37 @@ def test_beam_search_on_pages_equals_the_static_cache(model):
     paged = beam_search(model, IDS, N, num_beams=3, prompt_lengths=LENGTHS, cache_kind="paged")
     np.testing.assert_array_equal(np.asarray(paged.sequences), np.asarray(static.sequences))
     np.testing.assert_allclose(np.asarray(paged.scores), np.asarray(static.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_every_algorithm_takes_a_model_without_a_config():
+    """The generation protocol is init_cache + __call__: chunked_prefill, sample_n,
+    beam_search and speculative_generate read model.config.vocab_size (AttributeError)."""
+    import jax
+    from flax import nnx
+
+    import jaxkv
+    from jaxkv.decoding import beam_search, chunked_prefill, sample_n, speculative_generate
+    from jaxkv.sampling import SamplingConfig
+    from test_decoding_reference import make_model
+
+    class Bare(nnx.Module):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def init_cache(self, batch_size, max_length, **kw):
+            return self.inner.init_cache(batch_size, max_length, **kw)
+
+        def __call__(self, tokens, cache=None, num_new=None, **kw):
+            return self.inner(tokens, cache, num_new, **kw)
+
+    inner = make_model(seed=29, scale=10.0)
+    bare = Bare(inner)
+    ids = np.array([[5, 9, 2, 7]])
+    want = np.asarray(jaxkv.generate(inner, ids, 3).tokens)
+    last, _ = chunked_prefill(bare, ids, bare.init_cache(1, 8), chunk_size=3)
+    assert int(np.argmax(last[0])) == want[0, 0]
+    greedy = SamplingConfig()
+    np.testing.assert_array_equal(np.asarray(sample_n(bare, ids, 3, num_return_sequences=1, key=jax.random.key(0),
+                                                      config=greedy))[:, 0], want)
+    np.testing.assert_array_equal(np.asarray(beam_search(bare, ids, 3, num_beams=1).sequences)[:, 0], want)
+    np.testing.assert_array_equal(np.asarray(speculative_generate(bare, bare, ids, 3).tokens), want)

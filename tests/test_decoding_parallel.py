@@ -93,3 +93,6 @@ def test_errors(model):
         sample_n(model, IDS, N, num_return_sequences=0, key=key)
     with pytest.raises(ValueError, match=r"prompt_lengths\[1\] = 0 is outside"):
         sample_n(model, IDS, N, num_return_sequences=2, key=key, prompt_lengths=np.array([5, 0]))
+    # B keys given as key= (generate takes them so): JAX's "split accepts a single key" before
+    with pytest.raises(ValueError, match=r"key must be one PRNG key .* got shape \[2\]; .*keys=\[batch"):
+        sample_n(model, IDS, N, num_return_sequences=2, key=jax.random.split(key, 2))

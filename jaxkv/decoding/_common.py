@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv._checks import model_vocab_size
+
 from jaxkv.caches import KVCache
 from jaxkv.caches._checks import _static_int
 from jaxkv.sampling import SamplingConfig, apply_temperature, min_p_filter, top_k_filter, top_p_filter
@@ -58,6 +60,15 @@ def free_slots(cache: Any) -> np.ndarray | None:
     if capacity is None:
         return None
     return capacity - np.asarray(cache.seq_lengths(0))
+
+
+def logits_width(model: Any) -> int:
+    """V, the width of ``model``'s logits: ``model.config.vocab_size``, or for a model that
+    declares none, the shape of a one-token call traced on abstract inputs (nothing runs)."""
+    size = model_vocab_size(model)
+    if size is not None:
+        return size
+    return int(nnx.eval_shape(lambda m: m(jnp.zeros((1, 1), jnp.int32), m.init_cache(1, 1))[0], model).shape[-1])
 
 
 def check_positive_int(value: Any, name: str, who: str) -> int:

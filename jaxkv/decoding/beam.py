@@ -22,7 +22,11 @@ do_sample=False)``, transformers 4.50+/5.x), so that its tokens match token for 
   ``length_penalty > 0``); ``"never"`` uses the exact bound (the best running beam scored
   at ``max_new_tokens`` when ``length_penalty > 0``), so the result is the true best of
   everything the beam explores. The loop ends when every prompt has stopped, or when all
-  running continuations hit ``max_new_tokens``.
+  running continuations hit ``max_new_tokens``. With one beam, transformers runs greedy
+  search and ignores ``early_stopping``: here one beam stops at its first EOS whatever
+  ``early_stopping`` says (``True``'s rule), which gives greedy's tokens. (With a
+  ``repetition_penalty`` the two still differ: transformers' greedy penalises the logits,
+  beam search the log-probabilities.)
 * Beams that cannot exist (all but one at the start, or too few unfinished continuations)
   carry score ``-1e9`` as in HF, never ``-inf``, so no NaN arises.
 
@@ -284,12 +288,14 @@ def beam_search(
             f"{who}: length_penalty must be a finite real number (e.g. 1.0), got {length_penalty!r}; "
             "nan, inf and bools give meaningless scores"
         )
-    vocab = model.config.vocab_size
+    vocab = model_vocab_size(model)  # None: the ids go unchecked
     eos = check_token_id(eos_token_id, "eos_token_id", vocab, who)
     pad = check_token_id(pad_token_id, "pad_token_id", vocab, who)
     if pad is None:
         pad = 0 if eos is None else eos
     penalties = SamplingConfig(repetition_penalty=repetition_penalty)  # its checks; static: 1.0 compiles no history
+    if k == 1:  # transformers' greedy fallback: the first EOS ends the one beam ("never" went on past it)
+        early_stopping = True
     graphdef, state = nnx.split(model)
     sequences, lengths, scores = _beam_search(
         graphdef,

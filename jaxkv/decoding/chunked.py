@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.caches import KVCache, check_cache
-from jaxkv.decoding._common import check_positive_int, forward, free_slots, logits_at
+from jaxkv.decoding._common import check_positive_int, forward, free_slots, logits_at, logits_width
 from jaxkv.generation import check_prompts
 
 __all__ = ["chunked_prefill", "prefill_chunk"]
@@ -86,8 +86,10 @@ def chunked_prefill(
         length); float32.
 
     Raises:
-        ValueError: bad prompts (a token id outside ``[0, V)`` included) or chunk size;
-            eagerly, a prompt that overflows the cache.
+        ValueError: bad prompts (a token id outside ``[0, V)`` included) or chunk size, a
+            cache of another batch size; eagerly, a prompt that overflows the cache.
+        CacheError (a ValueError): a page pool that ran out of pages during the prefill (the
+            cache passed in was donated: build a larger ``num_pages``).
         TypeError: ``model`` not an ``nnx.Module`` (a ``from_pretrained`` bundle: pass
             ``loaded.model``), or ``cache`` not a jaxkv cache.
 
@@ -105,6 +107,10 @@ def chunked_prefill(
     return_logits = bool(return_logits)
     check_cache(cache, who)
     batch, prompt_len = input_ids.shape
+    rows = getattr(cache, "batch_size", batch)
+    if rows != batch:
+        raise ValueError(f"{who}: input_ids has {batch} rows but the cache has {rows}; "
+                         f"build the cache with batch_size={batch}")
     free = free_slots(cache)
     if free is not None and (np.asarray(prompt_lengths) > free).any():
         row = int(np.argmax(np.asarray(prompt_lengths) > free))
@@ -115,7 +121,9 @@ def chunked_prefill(
     num_chunks = -(-prompt_len // chunk)
     padded = jnp.pad(input_ids, ((0, 0), (0, num_chunks * chunk - prompt_len)))
     graphdef, state = nnx.split(model)
-    last = jnp.zeros((batch, model.config.vocab_size), jnp.float32)
+    # [B, V] float32, whatever the model's V (a model without a config included)
+    last = jnp.zeros((batch, logits_width(model)), jnp.float32)  # [B, V]
+    flags_before = np.asarray(cache.flags)
     all_logits = []
     for i in range(num_chunks):
         start = i * chunk
@@ -124,6 +132,11 @@ def chunked_prefill(
             graphdef, state, cache, padded[:, start : start + chunk], num_new, last, return_logits=return_logits
         )
         all_logits.append(logits)
+    if (np.asarray(cache.flags) & ~flags_before).any():
+        # a page pool that ran out (free_slots counts slots, not pages): the dropped tokens
+        # would make every later logit wrong, so the new flag is an error here, as in the
+        # serving loops
+        cache.check()
     if return_logits:
         return jnp.concatenate(all_logits, axis=1)[:, :prompt_len], cache
     return last, cache

@@ -134,12 +134,18 @@ def sample_n(
             raise TypeError(f"{who}: {name} must be a JAX PRNG key (jax.random.key(seed) or a split of one), got "
                             f"{type(k).__name__} {k!r}")
     if keys is None:
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if key.shape != (() if typed else (2,)):
+            raise ValueError(
+                f"{who}: key must be one PRNG key (shape [] typed, or [2] raw uint32), got shape {list(key.shape)}; "
+                f"for one key per sample pass keys=[batch, num_return_sequences] (e.g. sample_keys(key, {batch}, {n}))"
+            )
         keys = sample_keys(key, batch, n)
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         raise ValueError(f"{who}: keys must be typed PRNG keys (jax.random.key / split), got dtype {keys.dtype}")
     if keys.shape != (batch, n):
         raise ValueError(f"{who}: keys must have shape [batch, num_return_sequences] = [{batch}, {n}], got {list(keys.shape)}")
-    vocab = model.config.vocab_size
+    vocab = model_vocab_size(model)  # None: the ids go unchecked
     eos = check_token_id(eos_token_id, "eos_token_id", vocab, who)
     pad = check_token_id(pad_token_id, "pad_token_id", vocab, who, allow_none=False)  # None broke jnp.where
     graphdef, state = nnx.split(model)

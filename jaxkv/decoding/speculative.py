@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at
+from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at, logits_width
 from jaxkv.generation import NAN_TOKEN, check_prompts, init_model_cache, nan_rows_as_nan_token, poison_bad_lengths
 from jaxkv.sampling import SamplingConfig, apply_penalties, greedy, init_history, record_tokens
 
@@ -303,10 +303,11 @@ def speculative_generate(
     k = check_positive_int(num_draft_tokens, "num_draft_tokens", who)
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"{who}: config must be a jaxkv.sampling.SamplingConfig, got {type(config).__name__}")
-    if target.config.vocab_size != draft.config.vocab_size:
+    widths = logits_width(target), logits_width(draft)
+    if widths[0] != widths[1]:
         raise ValueError(
-            f"{who}: target and draft vocabularies differ ({target.config.vocab_size} vs "
-            f"{draft.config.vocab_size}); the draft must share the target's tokenizer"
+            f"{who}: target and draft vocabularies differ ({widths[0]} vs {widths[1]}); the draft must share "
+            "the target's tokenizer"
         )
     if key is None:
         if not config.is_greedy:
