@@ -106,6 +106,9 @@ def test_rejects_requests_that_do_not_fit(loop, model):
         loop.run([Request([1], 4), Request([1] * 30, 4, id="b")])
     with pytest.raises(ValueError, match="empty prompt"):
         loop.run([Request([], 4)])
+    # which request: it said only "max_new_tokens must be a Python int >= 1, got 0"
+    with pytest.raises(ValueError, match=r"ServingLoop.run: request 'c' max_new_tokens must be a Python int >= 1, got 0"):
+        loop.run([Request([1], 4), Request([1], 0, id="c")])
     with pytest.raises(ValueError, match="policy must be"):
         ServingLoop(model, num_slots=2, max_length=8, policy="fifo")
     with pytest.raises(ValueError, match=r"prefill_rows \(3\) must be <= num_slots \(2\)"):

@@ -131,7 +131,7 @@ def check_request(
     if len(prompt) < 1:
         raise ValueError(f"{who}: {name} has an empty prompt; it needs at least one token")
     check_token_ids(prompt, vocab_size, who, name=f"requests[{index}].prompt")
-    check_positive_int(max_new_tokens, "max_new_tokens", who)
+    check_positive_int(max_new_tokens, f"{label} max_new_tokens", who)
     need = len(prompt) + max_new_tokens - 1
     if need > max_length:
         raise ValueError(
