@@ -38,10 +38,12 @@ imported only when used (``pip install jaxkv[persist]``).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import zlib
@@ -276,7 +278,8 @@ def _atomic_target(path: str) -> tuple[str, str]:
     if os.path.isdir(path):
         raise CacheFileError(f"{path}: is a directory; a safetensors cache file needs a file path (format='orbax' "
                              "writes a directory).")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    # the name cut short: a name the OS takes (up to 255 bytes) must leave room for mkstemp's
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)[:100]}.", suffix=".tmp", dir=directory)
     os.close(fd)
     return directory, tmp
 
@@ -304,11 +307,15 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
     try:
         st.save_file(arrays, tmp, metadata={_HEADER_KEY: json.dumps(_sealed(header))})
         # The temporary file is 0600 (mkstemp, and safetensors writes its own); the file gets
-        # what open() would give (0666 less the umask): a prompt cache shared between users
-        # stays readable by them.
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        # what open() would give: an existing file's mode (a private prompt cache stays
+        # private), else 0666 less the umask (one shared between users stays readable by them).
+        try:
+            mode = os.stat(path).st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -488,6 +495,15 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
         header, leaves, _ = _read_safetensors(path, _CACHE)
         read = None
     treedef = _rebuild(header["tree"], path)
+    for m in header["leaves"]:
+        held = jax.dtypes.canonicalize_dtype(jnp.dtype(m["dtype"]))
+        if held != jnp.dtype(m["dtype"]):
+            # JAX without x64 would wrap the integers and round the floats, silently
+            raise CacheFileError(
+                f"{path}: array {m['name']!r} is {m['dtype']} in the file, which JAX holds only with "
+                f"jax_enable_x64 (without it: {held.name}, its values cut); call "
+                "jax.config.update('jax_enable_x64', True) before loading it."
+            )
     shapes = [jax.ShapeDtypeStruct(tuple(m["shape"]), jnp.dtype(m["dtype"])) for m in header["leaves"]]
     if len(shapes) != treedef.num_leaves:
         raise CacheFileError(f"{path}: {len(shapes)} arrays for a structure of {treedef.num_leaves}; the file is damaged.")
@@ -557,8 +573,48 @@ def _save_orbax(path: str, cache: Any) -> None:
               "sharding": _describe_shardings(cache)}
     items = {"jaxkv": ocp.args.JsonSave(_sealed(header))} | ({"state": ocp.args.StandardSave(stored)} if stored else {})
     args = ocp.args.Composite(**items)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(os.path.abspath(path), args, force=True)
+    where = os.path.abspath(path)
+    parent, base = os.path.split(where)
+    if "[" in where or "]" in where:
+        # Orbax reads the path as a glob pattern: the checkpoint it writes there never loads
+        raise CacheFileError(f"{path}: Orbax cannot save under a path holding '[' or ']'; choose another name.")
+    if not os.path.isdir(parent):
+        raise CacheFileError(f"{path}: the directory {parent} does not exist.")
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise CacheFileError(f"{path}: is a file; format='orbax' writes a directory.")
+    # Orbax's force=True deletes the old checkpoint before it writes the new one: a failed
+    # save would lose both. The new one is written beside it and swapped in after (names
+    # that every process derives alike).
+    new, old = (os.path.join(parent, f".{base[:100]}.jaxkv-{what}") for what in ("new", "old"))
+    primary = jax.process_index() == 0
+    if primary:
+        for stale in (new, old):
+            if os.path.isdir(stale):
+                shutil.rmtree(stale)
+    _sync("jaxkv_orbax_save_clear")
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            ckptr.save(new, args)
+        if primary:
+            if os.path.isdir(where):
+                os.rename(where, old)
+            os.rename(new, where)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+    finally:
+        if primary:
+            for left in [new, *glob.glob(glob.escape(new) + ".orbax-checkpoint-tmp*")]:
+                if os.path.isdir(left):
+                    shutil.rmtree(left)
+        _sync("jaxkv_orbax_save_done")
+
+
+def _sync(name: str) -> None:
+    """A barrier across processes (nothing with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _open_orbax(path: str):

@@ -5,6 +5,8 @@ must give back every leaf bit for bit, whatever the values mean.
 """
 
 import dataclasses
+import importlib
+import importlib.util
 import io
 import json
 import os
@@ -605,6 +607,59 @@ def test_orbax_checkpoint_checksums_and_an_empty_cache(tmp_path):
     save_cache(tmp_path / "empty", DynamicCache(num_layers=2), format="orbax")
     back = load_cache(tmp_path / "empty")
     assert isinstance(back, DynamicCache) and len(back) == 2 and back.get_seq_length(1) == 0
+
+
+def test_a_failed_save_keeps_the_old_file_or_checkpoint_and_its_mode(tmp_path, monkeypatch):
+    """Orbax's force=True removed the old checkpoint before writing the new one, so a save
+    that failed midway (the disk full) lost both; the safetensors file already survived. A
+    re-saved file kept private (0600) became 0644. A path with '[' saved an Orbax checkpoint
+    that never loaded; a file name of 250 bytes failed on the temporary name's length."""
+    import errno
+
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import safetensors.numpy
+
+    old = randomized(make("static", max_length=8))
+    new = randomized(make("static", max_length=8), seed=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    for fmt, path, owner, name in (("safetensors", tmp_path / "c.st", safetensors.numpy, "save_file"),
+                                   ("orbax", tmp_path / "ck", ocp.CompositeCheckpointHandler, "save")):
+        save_cache(path, old, format=fmt)
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, disk_full)
+            with pytest.raises(OSError, match="No space left"):
+                save_cache(path, new, format=fmt)
+        assert_same(load_cache(path), old)
+        assert sorted(os.listdir(tmp_path)) == sorted(["c.st"] + (["ck"] if fmt == "orbax" else []))
+        save_cache(path, new, format=fmt)  # and a save that works replaces it
+        assert_same(load_cache(path), new)
+
+    os.chmod(tmp_path / "c.st", 0o600)
+    save_cache(tmp_path / "c.st", old)
+    assert os.stat(tmp_path / "c.st").st_mode & 0o777 == 0o600
+    with pytest.raises(CacheFileError, match=r"run\[1\]: Orbax cannot save under a path holding"):
+        save_cache(tmp_path / "run[1]", old, format="orbax")
+    long_name = tmp_path / ("p" * 250)
+    save_cache(long_name, old)
+    assert_same(load_cache(long_name), old)
+
+
+def test_64_bit_leaves_without_x64_are_an_error_not_narrowed(tmp_path):
+    """A pytree with int64 / float64 NumPy leaves loaded without x64: the integers wrapped
+    and the floats rounded to float32 silently (and Orbax called the good file corrupt)."""
+    tree = {"cache": make("static", max_length=4), "seen": np.array([2**40 + 7], np.int64)}
+    formats = ["safetensors"] + (["orbax"] if importlib.util.find_spec("orbax") else [])
+    for fmt in formats:
+        path = tmp_path / fmt
+        save_cache(path, tree, format=fmt)
+        with pytest.raises(CacheFileError, match=r"array .*seen.* is int64 in the file, which JAX holds only with "
+                                                 r"jax_enable_x64 \(without it: int32"):
+            load_cache(path)
+        with jax.enable_x64(True):
+            assert int(load_cache(path)["seen"][0]) == 2**40 + 7
 
 
 def test_orbax_sharded_restore_onto_other_meshes(tmp_path):

@@ -126,3 +126,39 @@ def test_modules_refuse_a_non_cache_and_float_positions():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         KVSelfAttention(num_heads=3, num_kv_heads=2, head_dim=4, layer_idx=0).init(jax.random.key(0), x, None,
                                                                                  positions=pos)
+
+
+def test_gradients_through_a_cache_are_true_or_a_clear_error():
+    """16-bit StaticCache / PagedCache buffers are kept as integer bits: jax.grad through a
+    write gave k_proj / v_proj a gradient of exactly 0, silently. A float32 cache and a
+    DynamicCache give the cache=None gradient; 16-bit and quantized writes are a TypeError
+    (the quantized one was JAX's 'nextafter' NotImplementedError)."""
+    from jaxkv.caches import DynamicCache, PagedCache, QuantizedCache, StaticCache
+    from jaxkv.nnx import KVAttention
+
+    batch, tokens, embed = 1, 4, 16
+    attn = KVAttention(embed, 4, 2, 8, layer_idx=0, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (batch, tokens, embed))
+    positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+
+    def grads(make_cache):
+        def loss(model):
+            y, _ = model(x, make_cache(), positions=positions)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        g = nnx.grad(loss)(attn)
+        return [np.asarray(getattr(g, n).kernel[...]) for n in ("q_proj", "k_proj", "v_proj")]
+
+    shape = dict(num_layers=1, batch_size=batch, num_kv_heads=2, head_dim=8, max_length=8)
+    want = grads(lambda: None)
+    assert all(np.abs(w).sum() > 0 for w in want)
+    for make in (lambda: StaticCache.init(**shape), lambda: DynamicCache()):
+        for got, ref in zip(grads(make), want):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        with pytest.raises(TypeError, match=f"through a write into a {jnp.dtype(dtype).name} cache buffer"):
+            grads(lambda: StaticCache.init(**shape, dtype=dtype))
+    with pytest.raises(TypeError, match="through a write into a bfloat16 cache buffer"):
+        grads(lambda: PagedCache.init(**shape, page_size=4, dtype=jnp.bfloat16))
+    with pytest.raises(TypeError, match="through quantization"):
+        grads(lambda: QuantizedCache.init(**shape))

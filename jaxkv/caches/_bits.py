@@ -10,6 +10,7 @@ where they are read. Other dtypes are stored as they are.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -27,7 +28,26 @@ def stored_dtype(dtype: Any) -> jnp.dtype:
 def to_bits(x: Array, dtype: Any) -> Array:
     """``x`` cast to ``dtype``, in its stored form."""
     x = x.astype(dtype)
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if stored_dtype(dtype) != x.dtype else x
+    if stored_dtype(dtype) == x.dtype:
+        return x
+    x = not_differentiable(x, f"a write into a {jnp.dtype(dtype).name} cache buffer (kept as integer bits so that the "
+                              "CPU updates it in place; no gradient flows through them, it would be 0)")
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def not_differentiable(x: Array, what: str) -> Array:
+    """``x``; differentiating through it raises a ``TypeError`` naming ``what`` (where JAX's own
+    rule would give a zero gradient, or fail with an internal primitive's name)."""
+    return x
+
+
+@not_differentiable.defjvp
+def _refuse(what, primals, tangents):
+    raise TypeError(
+        f"jax.grad / jvp through {what} is not supported. Differentiate through a float32 StaticCache, a "
+        "DynamicCache or SlidingWindowCache, or attention with cache=None."
+    )
 
 
 def from_bits(stored: Array, dtype: Any) -> Array:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import register_dataclass
 
-from jaxkv.caches._bits import stored_dtype, to_bits
+from jaxkv.caches._bits import not_differentiable, stored_dtype, to_bits
 from jaxkv.caches._checks import _check_extra, _check_sizes, _floating_dtype, _static_int
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.contiguous import scatter_slots, token_slots
@@ -88,7 +88,8 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple
     if bits == 4 and x.shape[-1] % 2:
         raise ValueError(f"quantize: int4 packs two values per byte, so head_dim must be even, got {x.shape[-1]}.")
     qmax = _QMAX[bits]
-    x32 = x.astype(jnp.float32)
+    # integer codes carry no gradient (JAX's own rule failed on 'nextafter'): a clear error instead
+    x32 = not_differentiable(x.astype(jnp.float32), "quantization (a quantized cache's integer codes)")
     wanted = jnp.max(jnp.abs(x32), axis=-1) / jnp.float32(qmax)
     # A scale past the dtype's range (float16: |x| > qmax * 65504) would round to inf and
     # dequantize to NaN: it saturates at the largest finite scale instead (such a token is
