@@ -142,6 +142,10 @@ class KVAttention(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"KVAttention: {name} must be an int >= 1, got {value!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -205,6 +209,9 @@ class KVAttention(nnx.Module):
         if cache is not None:
             check_cache(cache, "KVAttention")
         _check_positions(positions, "KVAttention")
+        positions = jnp.asarray(positions)  # a nested list is fine (it failed on .shape further in)
+        if jnp.ndim(x) != 3:
+            raise ValueError(f"KVAttention: x must be [batch, tokens, embed_dim], got shape {list(jnp.shape(x))}")
         if layer_idx is None:
             layer_idx = self.layer_idx
         if layer_idx is None and cache is not None:

@@ -444,7 +444,7 @@ def save_cache(path: str | os.PathLike, cache: Any, *, format: str = "safetensor
 
     Args:
       path: a file for ``"safetensors"`` (replaced atomically), a directory for ``"orbax"``
-        (replaced if it exists).
+        (replaced atomically if it exists: the new one is written beside it, then swapped in).
       cache: the cache; concrete arrays (not inside ``jit``).
       format: ``"safetensors"`` (single host: the arrays are gathered to this host) or
         ``"orbax"`` (sharded arrays, every process writes its own shards; call it on every

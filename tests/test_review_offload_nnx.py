@@ -162,3 +162,29 @@ def test_gradients_through_a_cache_are_true_or_a_clear_error():
         grads(lambda: PagedCache.init(**shape, page_size=4, dtype=jnp.bfloat16))
     with pytest.raises(TypeError, match="through quantization"):
         grads(lambda: QuantizedCache.init(**shape))
+
+
+def test_kvattention_checks_num_new_without_a_cache_and_its_own_arguments():
+    """cache=None took any num_new: [-2, 3] gave row 0 zeros, a scalar named kv_lengths; a
+    list of positions, an x of rank 2 and num_kv_heads=0 failed deep inside (AttributeError,
+    unpacking, ZeroDivisionError)."""
+    from jaxkv.nnx import KVAttention
+
+    attn = KVAttention(16, 4, 2, 8, layer_idx=0, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    for bad in ([-2, 3], [5, 3]):
+        with pytest.raises(ValueError, match=rf"cache_attention: num_new\[0\]={bad[0]} is outside \[0, 3\]"):
+            attn(x, None, positions=positions, num_new=jnp.array(bad))
+    full, _ = attn(x, None, positions=positions)
+    scalar, _ = attn(x, None, positions=positions, num_new=3)
+    np.testing.assert_array_equal(np.asarray(scalar), np.asarray(full))
+    traced, _ = nnx.jit(lambda m, n: m(x, None, positions=positions, num_new=n))(attn, jnp.array([-1, 3]))
+    assert np.isnan(np.asarray(traced[0])).all() and np.isfinite(np.asarray(traced[1])).all()
+    np.testing.assert_allclose(np.asarray(traced[1]), np.asarray(full[1]), rtol=1e-6, atol=1e-6)
+    listed, _ = attn(x, None, positions=positions.tolist())
+    np.testing.assert_array_equal(np.asarray(listed), np.asarray(full))
+    with pytest.raises(ValueError, match=r"x must be \[batch, tokens, embed_dim\], got shape \[3, 16\]"):
+        attn(x[0], None, positions=positions)
+    with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1, got 0"):
+        KVAttention(16, 4, 0, 8, rngs=nnx.Rngs(0))

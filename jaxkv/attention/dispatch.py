@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxkv.attention import pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend, quantized_blockwise_attend
 from jaxkv.attention.dense import attend
+from jaxkv.caches._checks import _new_counts
 from jaxkv.caches.views import ContiguousView, LayerView, PagedView, QuantizedView
 
 __all__ = ["attend_view", "cache_attention", "token_positions", "update_and_attend"]
@@ -145,16 +146,20 @@ def cache_attention(
         ValueError: ``num_new`` with a DynamicCache, a window mismatch, or any error of
             the cache's write or of attention.
     """
+    invalid = None
     if cache is None:
-        # Slot t holds the token at positions[:, t].
-        batch = queries.shape[0]
-        lengths = jnp.full((batch,), keys.shape[2], jnp.int32) if num_new is None else jnp.asarray(num_new)
+        # Slot t holds the token at positions[:, t]. num_new is checked as a cache write checks
+        # it (a concrete count outside [0, T] raises; a traced one makes its row NaN, where a
+        # cache would flag it): a negative count gave a row of zeros.
+        lengths, invalid = _new_counts(num_new, queries.shape[0], keys.shape[2], "cache_attention")
         view = LayerView(keys, values, positions, lengths, None)
     else:
         cache, view = cache.write(keys, values, layer_idx, num_new=num_new)
     out = attend_view(
         queries, view, q_positions=positions, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale
     )
+    if invalid is not None:
+        out = jnp.where(invalid[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
     return out, cache
 
 
