@@ -267,8 +267,10 @@ def test_index_naming_a_missing_shard(checkpoint, tmp_path):
 
 
 def test_bad_dtype(checkpoint):
-    with pytest.raises(TypeError, match="dtype must be jnp.float32, jnp.bfloat16"):
-        from_pretrained(checkpoint[0], dtype=jnp.int8)
+    # "auto" (transformers' word) and a torch dtype were NumPy's "data type not understood"
+    for bad in (jnp.int8, "auto", torch.bfloat16):
+        with pytest.raises(TypeError, match="dtype must be jnp.float32, jnp.bfloat16"):
+            from_pretrained(checkpoint[0], dtype=bad)
 
 
 # --------------------------------------------------------------------------- config keys as transformers reads them

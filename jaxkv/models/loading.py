@@ -434,7 +434,10 @@ def from_pretrained(
         >>> jaxkv.generate(loaded.model, jnp.array([ids]), 16)                   # doctest: +SKIP
     """
     directory = os.fspath(path)
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:  # "auto", a torch dtype: NumPy's "data type not understood"
+        raise TypeError(f"dtype must be jnp.float32, jnp.bfloat16 or jnp.float16, got {dtype!r}") from None
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"dtype must be jnp.float32, jnp.bfloat16 or jnp.float16, got {dtype}")
     if not os.path.isdir(directory):
