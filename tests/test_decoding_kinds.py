@@ -128,3 +128,16 @@ def test_every_algorithm_takes_a_model_without_a_config():
                                                       config=greedy))[:, 0], want)
     np.testing.assert_array_equal(np.asarray(beam_search(bare, ids, 3, num_beams=1).sequences)[:, 0], want)
     np.testing.assert_array_equal(np.asarray(speculative_generate(bare, bare, ids, 3).tokens), want)
+
+
+def test_an_unknown_cache_kind_names_init_cache_and_cache_kind():
+    """It said only "kind must be 'static', ... got 'ring'" from inside the traced program."""
+    import jax
+
+    from jaxkv.decoding import sample_n
+    from jaxkv.sampling import SamplingConfig
+    from test_decoding_reference import make_model
+
+    with pytest.raises(ValueError, match=r"Llama.init_cache: kind must be .* got 'ring' \(the cache_kind= of"):
+        sample_n(make_model(seed=1), np.array([[1, 2]]), 2, num_return_sequences=1, key=jax.random.key(0),
+                 config=SamplingConfig(), cache_kind="ring")

@@ -643,7 +643,8 @@ class Llama(nnx.Module):
                 bits=bits if kind == "paged-quantized" else None, dtype=dtype, sharding=sharding,
             )
         raise ValueError(
-            f"kind must be 'static', 'hybrid', 'quantized', 'paged' or 'paged-quantized', got {kind!r}"
+            f"Llama.init_cache: kind must be 'static', 'hybrid', 'quantized', 'paged' or 'paged-quantized', got "
+            f"{kind!r} (the cache_kind= of generate, sample_n, beam_search and the serving loops is this kind)"
         )
 
     def __call__(
