@@ -62,6 +62,15 @@ def function_length(pieces, eot_text: str | None = None) -> int:
     return len(pieces)
 
 
+def kept_lengths(tok, rows, eot_id: int) -> list[int]:
+    """Per generated row (token ids), how many tokens belong to the function
+    (:func:`function_length` over each token's text). The end-of-text token is decoded as
+    itself: ``decode`` skips special tokens by default, which made it (and the padding
+    ``generate`` writes after it, the same id) an empty piece that never ended the function."""
+    eot_text = tok.decode([eot_id], skip_special_tokens=False)
+    return [function_length([tok.decode([int(t)], skip_special_tokens=False) for t in row], eot_text) for row in rows]
+
+
 @torch.no_grad()
 def continuations(model, tok, headers, *, eot_id: int, max_new_tokens: int, temperature: float, generator,
                   device="cpu"):
@@ -82,8 +91,7 @@ def continuations(model, tok, headers, *, eot_id: int, max_new_tokens: int, temp
                          temperature=temperature, top_k=40, top_p=0.95, pad_token_id=eot_id, eos_token_id=eot_id)
     model.train()
     generated = out[:, width:]
-    eot_text = tok.decode([eot_id], skip_special_tokens=False)
-    kept = [function_length([tok.decode([int(t)]) for t in row], eot_text) for row in generated.tolist()]
+    kept = kept_lengths(tok, generated.tolist(), eot_id)
     full_mask = torch.cat([mask, torch.ones_like(generated)], dim=1)
     return out, full_mask, width, kept
 

@@ -289,3 +289,11 @@ def test_an_unlikelihood_step_lowers_the_probability_of_the_repeated_tokens(tok)
     loss.backward()
     opt.step()
     assert (p_repeats() < before).all()
+
+
+def test_kept_lengths_end_at_the_end_of_text_token(tok):
+    """generate pads a finished row with the end-of-text id after its EOS; decode skipped that
+    special token (an empty piece), so the padding counted as the function's repeated tokens."""
+    body = tok.encode("\n    return x + 1\n", add_special_tokens=False).ids
+    rows = [body + [0, 0, 0, 0], body + tok.encode("def g", add_special_tokens=False).ids]
+    assert unlikelihood.kept_lengths(tok, rows, 0) == [len(body), len(body)]
