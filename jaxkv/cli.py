@@ -152,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     # the options whose value may be a negative number (see _attach_negative_values)
     parser.numeric_flags = {a.option_strings[-1] for a in gen._actions if a.type in (int, float) and a.option_strings}
+    parser.long_flags = {o for a in gen._actions for o in a.option_strings if o.startswith("--")}
     return parser
 
 
@@ -286,7 +287,10 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         raise CliError(f"--seed must be an integer in [0, 2**32), got {args.seed}")
     sampling = _sampling_config(args)
     _check_prompt(args.prompt)
-    path = args.model or embedded_model_path()
+    if args.model is not None and not args.model.strip():
+        # `--model "$MODEL"` with MODEL unset ran the embedded model as if none was asked for
+        raise CliError("--model is empty; give a checkpoint directory, or leave --model out for the embedded model")
+    path = args.model if args.model is not None else embedded_model_path()
     try:
         loaded = from_pretrained(path)
     except (CheckpointError, TypeError) as err:
@@ -317,8 +321,8 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         # A new machine's first run: the kernel's compiler (25-45 s) runs in the background
         # and this run takes the XLA loop, instead of a silent wait before the first token.
         if _kernels.start_background_build():
-            print("[jaxkv] the CPU attention kernel is being built in the background (once per machine, "
-                  "about a minute); this run uses the slower XLA path", file=sys.stderr)
+            _note("[jaxkv] the CPU attention kernel is being built in the background (once per machine, "
+                  "about a minute); this run uses the slower XLA path")
 
     generated = 0
     detokenizer = Detokenizer(loaded.tokenizer, ids)
@@ -387,12 +391,41 @@ def _stream_maker(args: argparse.Namespace, stream):
         try:
             made = PromptCacheStream(args.prompt_cache, *stream_args, **stream_kwargs)
         except CacheFileError as err:
-            raise CliError(str(err)) from None
-        print(f"[jaxkv] prompt cache {args.prompt_cache}: {made.restored} of {made.prompt_tokens} prompt tokens "
-              "restored", file=sys.stderr)
-        return made
+            message = str(err)
+            if "delete" not in message and os.path.exists(args.prompt_cache):
+                # the CLI saves only when the file lacks the prompt: a damaged one stays until removed
+                message += f" Delete {args.prompt_cache} (or use another --prompt-cache path) to start afresh."
+            raise CliError(message) from None
+        _note(f"[jaxkv] prompt cache {args.prompt_cache}: {made.restored} of {made.prompt_tokens} prompt tokens "
+              "restored")
+        return _SavingErrors(made)
 
     return make
+
+
+class _SavingErrors:
+    """A prompt-cache stream whose failed save (raised while iterating) is a CliError."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __iter__(self):
+        from jaxkv.persist import CacheFileError
+
+        try:
+            yield from self._inner
+        except CacheFileError as err:
+            raise CliError(str(err)) from None
+
+
+def _note(message: str) -> None:
+    """A line on stderr; nothing when stderr is closed (``2>&-``: print would write it into
+    the generated text on stdout)."""
+    if sys.stderr is not None:
+        print(message, file=sys.stderr)
 
 
 def _eos_ids(path: str, vocab_size: int | None = None) -> tuple[int, ...]:
@@ -442,9 +475,14 @@ class _Output:
             raise
         except OSError as err:
             raise _OutputError(err) from None
+        except UnicodeEncodeError as err:
+            raise _OutputError(
+                f"stdout's encoding ({err.encoding}) cannot write {err.object[err.start:err.end]!r}; "
+                "set PYTHONIOENCODING=utf-8"
+            ) from None
 
 
-def _attach_negative_values(argv: list[str], numeric: set[str]) -> list[str]:
+def _attach_negative_values(argv: list[str], numeric: set[str], options: set[str] = frozenset()) -> list[str]:
     """``--flag -1e-3`` as ``--flag=-1e-3``: argparse takes a value that starts with ``-`` for a
     number only in its plain forms (``-1``, ``-.5``), so ``-1e-3`` or ``-inf`` after a numeric
     option read as another option ("expected one argument") instead of the value."""
@@ -454,6 +492,9 @@ def _attach_negative_values(argv: list[str], numeric: set[str]) -> list[str]:
         if arg == "--":
             out.extend(argv[i:])
             break
+        if arg.startswith("--") and arg not in options:  # argparse's abbreviations (--presence)
+            matches = [o for o in options if o.startswith(arg)]
+            arg = matches[0] if len(matches) == 1 else arg
         if arg in numeric and i + 1 < len(argv) and argv[i + 1].startswith("-"):
             try:
                 float(argv[i + 1])
@@ -470,9 +511,10 @@ def _attach_negative_values(argv: list[str], numeric: set[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else list(argv), parser.numeric_flags))
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else list(argv), parser.numeric_flags,
+                                                     parser.long_flags))
     if sys.stdout is None:  # started with stdout closed (`>&-`)
-        print("jaxkv: error: stdout is closed; nowhere to write the text", file=sys.stderr)
+        _note("jaxkv: error: stdout is closed; nowhere to write the text")
         return 1
     try:
         if args.command == "generate":
@@ -489,12 +531,12 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 1
     except CliError as err:
-        print(f"jaxkv: error: {err}", file=sys.stderr)
+        _note(f"jaxkv: error: {err}")
         return 2
     except _OutputError as err:
         # stdout full (`> /dev/full`) or failing: one line, not a traceback; stdout then points
         # at devnull so that the flush at interpreter exit cannot raise again.
-        print(f"jaxkv: error: cannot write the output: {err}", file=sys.stderr)
+        _note(f"jaxkv: error: cannot write the output: {err}")
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -502,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 1
     except KeyboardInterrupt:
-        print("\njaxkv: interrupted", file=sys.stderr)
+        _note("\njaxkv: interrupted")
         return 130
 
 

@@ -575,16 +575,27 @@ class TokenStream:
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
         self._empty_cache = partial(init_model_cache, model, batch, ids.shape[1] + max_new_tokens, dtype, cache_kind)
-        self.cache: KVCache = self._empty_cache()
+        self._cache: KVCache | None = None  # allocated when first asked for (PromptCacheStream sets its own)
         self._cache_unused = True  # the first iteration takes this one instead of allocating
         self.done = np.zeros((batch,), bool)
+
+    @property
+    def cache(self) -> KVCache | None:
+        """The current cache: before the first iteration the empty one it will prefill."""
+        if self._cache is None and self._cache_unused:
+            self._cache = self._empty_cache()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: KVCache | None) -> None:
+        self._cache = value
 
     def __iter__(self) -> Iterator[np.ndarray]:
         ids, lengths, row_keys, stop_ids, pad_id, max_new_tokens, sampling, chunk = self._args
         stop = np.asarray(stop_ids)
         if self._cache_unused:
+            cache = self.cache  # (allocated now if nothing asked for it or set one)
             self._cache_unused = False
-            cache = self.cache
         else:
             # Dropping the previous iteration's cache first keeps one cache alive, not two.
             self.cache = None

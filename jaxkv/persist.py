@@ -980,6 +980,8 @@ class PromptCacheStream:
         from jaxkv.generation import bucket_length, init_model_cache, stream
 
         self.path = os.fspath(path)
+        if not self.path or self.path.endswith(os.sep):
+            raise CacheFileError(f"PromptCacheStream: the path must name a file, got {self.path!r}.")
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"PromptCacheStream: input_ids must be one prompt [1, P], got shape {list(ids.shape)}.")
@@ -1006,7 +1008,8 @@ class PromptCacheStream:
         self._inner._history_prompt = (
             jnp.asarray(np.pad(ids.astype(np.int32), ((0, 0), (0, width - n)))), jnp.asarray([n], jnp.int32)
         )
-        # The stream's first iteration prefills into the cache it holds: this one.
+        # The stream's first iteration prefills into the cache it holds: this one (the stream
+        # allocates its own only when asked for it first: one cache in memory, not two).
         self._inner.cache = cache
         self._used = False
 
@@ -1024,5 +1027,9 @@ class PromptCacheStream:
         self._used = True
         for step, tokens in enumerate(self._inner):
             if step == 0 and self._save:  # after prefill, before the next step donates the cache
-                save_sequence(self.path, self._inner.cache, 0, model_fingerprint=self.fingerprint, token_ids=self._ids)
+                try:
+                    save_sequence(self.path, self._inner.cache, 0, model_fingerprint=self.fingerprint,
+                                  token_ids=self._ids)
+                except OSError as err:  # a full disk, a name too long: the documented error, not a traceback
+                    raise CacheFileError(f"{self.path}: the prompt cache could not be saved ({err}).") from None
             yield tokens

@@ -42,7 +42,8 @@ def test_generate_streams_text_and_prints_summary(tmp_path):
     out = result.stdout
     assert out.startswith("def fibonacci(")
     summary = out.strip().splitlines()[-1]
-    assert summary.startswith("[jaxkv] prompt ") and "tokens/s" in summary and "cache" in summary
+    assert summary.startswith("[jaxkv] prompt ") and "tokens/s" in summary
+    assert re.search(r"\| cache [\d.]+ KiB \(StaticCache\) \|", summary), summary
     new = int(re.search(r"\| new (\d+) tokens \|", summary).group(1))
     assert 1 <= new <= 24  # fewer only if the model emitted its end-of-text token
     assert len(out) > len("def fibonacci(") + 20  # some text was produced
@@ -379,3 +380,41 @@ def test_nan_logits_a_foreign_tokenizer_and_an_unwritable_stdout_are_one_line(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["jaxkv: error: cannot write the output: [Errno 28] No space left on device",
                    "jaxkv: error: stdout is closed; nowhere to write the text"], err
+
+
+def test_empty_paths_failed_saves_encodings_closed_stderr_and_abbreviations(tmp_path, monkeypatch, capsys):
+    """`--model ""` ran the embedded model; `--prompt-cache ""` or a name too long to save
+    was a traceback after the prompt was printed; an ascii stdout a UnicodeEncodeError
+    traceback; with stderr closed the prompt-cache line went into the text on stdout;
+    `--presence -1e-3` (an abbreviation) missed the negative-value fix."""
+    import io
+
+    from jaxkv.cli import _attach_negative_values, _parser
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    common = ["generate", "def f(x):", "--max-new-tokens", "2"]
+    assert main(common + ["--model", ""]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "jaxkv: error: --model is empty; give a checkpoint directory, or leave --model out for the embedded model")
+    assert main(common + ["--prompt-cache", ""]) == 2
+    assert capsys.readouterr().err.strip().endswith("the path must name a file, got ''.")
+    too_long = str(tmp_path / ("a" * 300))
+    assert main(common + ["--prompt-cache", too_long]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"jaxkv: error: {too_long}: the prompt cache could not be saved") and "Traceback" not in err[0]
+
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert main(["generate", "s = 'é'", "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "jaxkv: error: cannot write the output: stdout's encoding (ascii) cannot write 'é'; set PYTHONIOENCODING=utf-8")
+
+    text = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", text)
+    monkeypatch.setattr(sys, "stderr", None)
+    assert main(common + ["--prompt-cache", str(tmp_path / "p.safetensors")]) == 0
+    assert text.getvalue().startswith("def f(x):") and "prompt cache" not in text.getvalue()
+
+    parser = _parser()
+    assert _attach_negative_values(["generate", "x", "--presence", "-1e-3"], parser.numeric_flags,
+                                   parser.long_flags)[-1] == "--presence-penalty=-1e-3"
