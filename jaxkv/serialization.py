@@ -221,5 +221,13 @@ def register_flax_serialization() -> None:
         return [cls] + [k for sub in cls.__subclasses__() for k in kinds(sub)]
 
     for cls in kinds(KVCache) + [DynamicCache, EncoderDecoderCache, CrossAttentionCache]:
-        serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
+        register_kind(cls)
     _registered = True
+
+
+def register_kind(cls: type) -> None:
+    """Registers one cache class with ``flax.serialization`` (a kind defined after
+    :func:`register_flax_serialization` ran is registered by ``KVCache`` itself)."""
+    from flax import serialization
+
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)

@@ -188,3 +188,21 @@ def test_kvattention_checks_num_new_without_a_cache_and_its_own_arguments():
         attn(x[0], None, positions=positions)
     with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1, got 0"):
         KVAttention(16, 4, 0, 8, rngs=nnx.Rngs(0))
+
+
+def test_a_cache_kind_defined_after_registration_serializes_with_flax():
+    """flax.serialization finds classes by exact type: a StaticCache subclass defined after
+    jaxkv registered its kinds raised "can not serialize"."""
+    from flax import serialization
+
+    class MyCache(StaticCache):
+        pass
+
+    cache = MyCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=2)
+    cache = cache.update(jnp.ones((1, 1, 1, 2)), jnp.full((1, 1, 1, 2), 2.0), 0)[0]
+    back = serialization.from_bytes(MyCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=2),
+                                    serialization.to_bytes(cache))
+    assert type(back) is MyCache
+    np.testing.assert_array_equal(np.asarray(back.lengths), np.asarray(cache.lengths))
+    np.testing.assert_array_equal(np.asarray(back.values[0, 0, :, :1]), np.asarray(cache.values[0, 0, :, :1]))
+    assert float(back.values[0, 0, 0, 0, 0]) == 2.0

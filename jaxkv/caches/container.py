@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import sys
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -144,6 +145,11 @@ class KVCache:
         super().__init_subclass__(**kwargs)
         # A kind is this container under its own name: register it as the same pytree.
         register_dataclass(cls, data_fields=list(cls._data_fields), meta_fields=list(cls._meta_fields))
+        # A kind defined after flax.serialization learnt the others (jaxkv.serialization is
+        # loaded only where flax is): the same state dict, or to_bytes could not save it.
+        serialization = sys.modules.get("jaxkv.serialization")
+        if serialization is not None and serialization._registered:
+            serialization.register_kind(cls)
 
     # ---- construction (for the kinds' constructors)
 
