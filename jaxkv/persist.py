@@ -316,13 +316,30 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
             os.umask(umask)
             mode = 0o666 & ~umask
         os.chmod(tmp, mode)
+        _fsync(tmp)  # the bytes reach the disk before the name does: a crash leaves the old file or the new
         os.replace(tmp, path)
+        _fsync(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
 _HEADER_CRC = "header_crc32"
+
+
+def _fsync(path: str) -> None:
+    """Flushes a file's (or a directory's entries') data to the disk; a file system that
+    cannot (some refuse it on directories) is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _header_crc(header: dict) -> int:
@@ -489,6 +506,9 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
         mismatch with ``like`` (the message names the file and what differs).
     """
     path = os.fspath(path)
+    if like is not None and sharding is not None:
+        raise ValueError("load_cache: pass like= (whose leaves' shardings the result takes) or sharding=, not both; "
+                         "sharding= was ignored next to like=")
     if os.path.isdir(path):
         header, read = _open_orbax(path)
     else:

@@ -647,6 +647,15 @@ def test_a_failed_save_keeps_the_old_file_or_checkpoint_and_its_mode(tmp_path, m
     assert_same(load_cache(long_name), old)
 
 
+def test_like_and_sharding_together_are_refused(tmp_path):
+    """sharding= next to like= was ignored silently (the result takes like='s shardings)."""
+    cache = make("static", max_length=4)
+    save_cache(tmp_path / "c", cache)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(ValueError, match="pass like= .* or sharding=, not both"):
+        load_cache(tmp_path / "c", like=cache, sharding=device)
+
+
 def test_64_bit_leaves_without_x64_are_an_error_not_narrowed(tmp_path):
     """A pytree with int64 / float64 NumPy leaves loaded without x64: the integers wrapped
     and the floats rounded to float32 silently (and Orbax called the good file corrupt)."""
