@@ -392,7 +392,7 @@ def _stream_maker(args: argparse.Namespace, stream):
             made = PromptCacheStream(args.prompt_cache, *stream_args, **stream_kwargs)
         except CacheFileError as err:
             message = str(err)
-            if "delete" not in message and os.path.exists(args.prompt_cache):
+            if "delete" not in message.lower() and os.path.isfile(args.prompt_cache):
                 # the CLI saves only when the file lacks the prompt: a damaged one stays until removed
                 message += f" Delete {args.prompt_cache} (or use another --prompt-cache path) to start afresh."
             raise CliError(message) from None

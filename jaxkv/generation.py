@@ -575,6 +575,7 @@ class TokenStream:
         batch = ids.shape[0]
         dtype = None if cache_dtype is None else jnp.dtype(cache_dtype)
         self._empty_cache = partial(init_model_cache, model, batch, ids.shape[1] + max_new_tokens, dtype, cache_kind)
+        jax.eval_shape(self._empty_cache)  # a bad cache_kind / cache_dtype raises here, as generate's would
         self._cache: KVCache | None = None  # allocated when first asked for (PromptCacheStream sets its own)
         self._cache_unused = True  # the first iteration takes this one instead of allocating
         self.done = np.zeros((batch,), bool)

@@ -515,13 +515,16 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
         header, leaves, _ = _read_safetensors(path, _CACHE)
         read = None
     treedef = _rebuild(header["tree"], path)
-    for m in header["leaves"]:
+    for i, m in enumerate(header["leaves"]):
         held = jax.dtypes.canonicalize_dtype(jnp.dtype(m["dtype"]))
-        if held != jnp.dtype(m["dtype"]):
-            # JAX without x64 would wrap the integers and round the floats, silently
+        # JAX without x64 holds a 64-bit leaf in 32 bits: fine for values that fit (a step
+        # count saved from a Python int), an error for values it would wrap or round
+        # (silently, before; Orbax then called the good checkpoint corrupt)
+        if held != jnp.dtype(m["dtype"]) and (read is not None or not _fits(leaves[i], held)):
             raise CacheFileError(
-                f"{path}: array {m['name']!r} is {m['dtype']} in the file, which JAX holds only with "
-                f"jax_enable_x64 (without it: {held.name}, its values cut); call "
+                f"{path}: array {m['name']!r} is {m['dtype']} in the file"
+                + ("" if read is not None else f" with values {held.name} cannot hold")
+                + f", and JAX holds 64-bit arrays only with jax_enable_x64 (without it: {held.name}); call "
                 "jax.config.update('jax_enable_x64', True) before loading it."
             )
     shapes = [jax.ShapeDtypeStruct(tuple(m["shape"]), jnp.dtype(m["dtype"])) for m in header["leaves"]]
@@ -593,7 +596,7 @@ def _save_orbax(path: str, cache: Any) -> None:
               "sharding": _describe_shardings(cache)}
     items = {"jaxkv": ocp.args.JsonSave(_sealed(header))} | ({"state": ocp.args.StandardSave(stored)} if stored else {})
     args = ocp.args.Composite(**items)
-    where = os.path.abspath(path)
+    where = os.path.realpath(os.path.abspath(path))  # through a link: the checkpoint it names is replaced
     parent, base = os.path.split(where)
     if "[" in where or "]" in where:
         # Orbax reads the path as a glob pattern: the checkpoint it writes there never loads
@@ -603,30 +606,70 @@ def _save_orbax(path: str, cache: Any) -> None:
     if os.path.exists(where) and not os.path.isdir(where):
         raise CacheFileError(f"{path}: is a file; format='orbax' writes a directory.")
     # Orbax's force=True deletes the old checkpoint before it writes the new one: a failed
-    # save would lose both. The new one is written beside it and swapped in after (names
-    # that every process derives alike).
-    new, old = (os.path.join(parent, f".{base[:100]}.jaxkv-{what}") for what in ("new", "old"))
-    primary = jax.process_index() == 0
-    if primary:
-        for stale in (new, old):
-            if os.path.isdir(stale):
-                shutil.rmtree(stale)
-    _sync("jaxkv_orbax_save_clear")
+    # save would lose both. The new one is written beside it and swapped in after, under
+    # names every process derives alike (the hash keeps long names that share a prefix apart).
+    tag = hashlib.sha256(base.encode()).hexdigest()[:12]
+    new, old = (os.path.join(parent, f".{base[:80]}.{tag}.jaxkv-{what}") for what in ("new", "old"))
+
+    def swap():
+        if os.path.lexists(where):
+            os.rename(where, old)
+        os.rename(new, where)
+        try:
+            _remove(old)
+        except OSError:  # the save is done; a leftover is removed by the next one
+            pass
+
+    _on_primary(lambda: [_remove(p) for p in (new, old)], "clear the previous save's leftovers", path)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
             ckptr.save(new, args)
-        if primary:
-            if os.path.isdir(where):
-                os.rename(where, old)
-            os.rename(new, where)
-            if os.path.isdir(old):
-                shutil.rmtree(old)
+        _on_primary(swap, "move the new checkpoint into place", path)
     finally:
-        if primary:
+        if jax.process_index() == 0:
             for left in [new, *glob.glob(glob.escape(new) + ".orbax-checkpoint-tmp*")]:
-                if os.path.isdir(left):
-                    shutil.rmtree(left)
+                try:
+                    _remove(left)
+                except OSError:
+                    pass
         _sync("jaxkv_orbax_save_done")
+
+
+def _fits(a: np.ndarray, dtype: Any) -> bool:
+    """Whether every value of ``a`` survives a cast to ``dtype`` unchanged (NaN as NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer here, not a warning
+        cast = a.astype(dtype)
+    if np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating):
+        return bool(np.array_equal(cast.astype(a.dtype), a, equal_nan=True))
+    return bool(np.array_equal(cast.astype(a.dtype), a))
+
+
+def _remove(path: str) -> None:
+    """Removes a file, a link (not what it names) or a directory tree; nothing if absent."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _on_primary(step, what: str, path: str) -> None:
+    """Runs ``step`` on process 0 and tells every process whether it worked, so that all of
+    them raise together (one that raised alone left the others waiting at a barrier)."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            step()
+        except OSError as err:
+            error = err
+    ok = error is None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = bool(multihost_utils.broadcast_one_to_all(np.asarray(ok)))
+    if error is not None:
+        raise error
+    if not ok:
+        raise CacheFileError(f"{path}: process 0 could not {what} (its error says why).")
 
 
 def _sync(name: str) -> None:

@@ -398,6 +398,8 @@ def test_empty_paths_failed_saves_encodings_closed_stderr_and_abbreviations(tmp_
         "jaxkv: error: --model is empty; give a checkpoint directory, or leave --model out for the embedded model")
     assert main(common + ["--prompt-cache", ""]) == 2
     assert capsys.readouterr().err.strip().endswith("the path must name a file, got ''.")
+    assert main(common + ["--prompt-cache", str(tmp_path)]) == 2  # a directory: nothing to delete
+    assert "Delete" not in capsys.readouterr().err
     too_long = str(tmp_path / ("a" * 300))
     assert main(common + ["--prompt-cache", too_long]) == 2
     err = capsys.readouterr().err.strip().splitlines()

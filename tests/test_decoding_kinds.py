@@ -141,3 +141,8 @@ def test_an_unknown_cache_kind_names_init_cache_and_cache_kind():
     with pytest.raises(ValueError, match=r"Llama.init_cache: kind must be .* got 'ring' \(the cache_kind= of"):
         sample_n(make_model(seed=1), np.array([[1, 2]]), 2, num_return_sequences=1, key=jax.random.key(0),
                  config=SamplingConfig(), cache_kind="ring")
+    # stream() raises when called, as generate does (its cache is allocated later, when first needed)
+    import jaxkv
+
+    with pytest.raises(ValueError, match="kind must be"):
+        jaxkv.stream(make_model(seed=1), np.array([[1, 2]]), 2, cache_kind="ring")

@@ -94,5 +94,14 @@ def test_errors(model):
     with pytest.raises(ValueError, match=r"prompt_lengths\[1\] = 0 is outside"):
         sample_n(model, IDS, N, num_return_sequences=2, key=key, prompt_lengths=np.array([5, 0]))
     # B keys given as key= (generate takes them so): JAX's "split accepts a single key" before
-    with pytest.raises(ValueError, match=r"key must be one PRNG key .* got shape \[2\]; .*keys=\[batch"):
+    with pytest.raises(ValueError, match=r"key must be one PRNG key .* got a batch of shape \[2\]; .*keys=\[batch"):
         sample_n(model, IDS, N, num_return_sequences=2, key=jax.random.split(key, 2))
+    # one raw key of another PRNG implementation ([4] uint32 for rbg) is one key
+    previous = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "rbg")
+    try:
+        raw = jax.random.PRNGKey(0)
+        assert raw.shape == (4,)
+        assert sample_n(model, IDS, N, num_return_sequences=2, key=raw).shape == (2, 2, N)
+    finally:
+        jax.config.update("jax_default_prng_impl", previous)

@@ -642,6 +642,13 @@ def test_a_failed_save_keeps_the_old_file_or_checkpoint_and_its_mode(tmp_path, m
     assert os.stat(tmp_path / "c.st").st_mode & 0o777 == 0o600
     with pytest.raises(CacheFileError, match=r"run\[1\]: Orbax cannot save under a path holding"):
         save_cache(tmp_path / "run[1]", old, format="orbax")
+    # through a link to a checkpoint: the checkpoint it names is replaced, the link stays
+    os.symlink(tmp_path / "ck", tmp_path / "link")
+    for cache in (old, new):
+        save_cache(tmp_path / "link", cache, format="orbax")
+        assert os.path.islink(tmp_path / "link")
+        assert_same(load_cache(tmp_path / "ck"), cache)
+    assert sorted(os.listdir(tmp_path)) == ["c.st", "ck", "link"]
     long_name = tmp_path / ("p" * 250)
     save_cache(long_name, old)
     assert_same(load_cache(long_name), old)
@@ -656,19 +663,28 @@ def test_like_and_sharding_together_are_refused(tmp_path):
         load_cache(tmp_path / "c", like=cache, sharding=device)
 
 
-def test_64_bit_leaves_without_x64_are_an_error_not_narrowed(tmp_path):
+def test_64_bit_leaves_without_x64_load_only_when_nothing_is_lost(tmp_path):
     """A pytree with int64 / float64 NumPy leaves loaded without x64: the integers wrapped
-    and the floats rounded to float32 silently (and Orbax called the good file corrupt)."""
+    and the floats rounded to float32 silently (and Orbax called the good file corrupt).
+    Values 32 bits hold (a step count saved from a Python int) still load, narrowed."""
     tree = {"cache": make("static", max_length=4), "seen": np.array([2**40 + 7], np.int64)}
     formats = ["safetensors"] + (["orbax"] if importlib.util.find_spec("orbax") else [])
     for fmt in formats:
         path = tmp_path / fmt
         save_cache(path, tree, format=fmt)
-        with pytest.raises(CacheFileError, match=r"array .*seen.* is int64 in the file, which JAX holds only with "
-                                                 r"jax_enable_x64 \(without it: int32"):
+        with pytest.raises(CacheFileError, match=r"array .*seen.* is int64 in the file.*JAX holds 64-bit arrays "
+                                                 r"only with jax_enable_x64 \(without it: int32"):
             load_cache(path)
         with jax.enable_x64(True):
             assert int(load_cache(path)["seen"][0]) == 2**40 + 7
+    for value in (np.array([2**40 + 7], np.int64), np.array([0.1]), np.array([1e300])):
+        save_cache(tmp_path / "one", {"x": value})
+        with pytest.raises(CacheFileError, match="with values (int32|float32) cannot hold"):
+            load_cache(tmp_path / "one")
+    save_cache(tmp_path / "fits", {"step": 5, "scale": 0.5, "ids": np.arange(3), "nan": np.array([np.nan, 2.0])})
+    back = load_cache(tmp_path / "fits")
+    assert int(back["step"]) == 5 and float(back["scale"]) == 0.5 and back["ids"].tolist() == [0, 1, 2]
+    assert np.isnan(back["nan"][0]) and back["ids"].dtype == jnp.int32
 
 
 def test_orbax_sharded_restore_onto_other_meshes(tmp_path):

@@ -46,7 +46,8 @@ def not_differentiable(x: Array, what: str) -> Array:
 def _refuse(what, primals, tangents):
     raise TypeError(
         f"jax.grad / jvp through {what} is not supported. Differentiate through a float32 StaticCache, a "
-        "DynamicCache or SlidingWindowCache, or attention with cache=None."
+        "DynamicCache or SlidingWindowCache, or attention with cache=None; or, if the gradient need not "
+        "flow through the cache, wrap the keys and values written with jax.lax.stop_gradient."
     )
 
 

@@ -107,8 +107,8 @@ def chunked_prefill(
     return_logits = bool(return_logits)
     check_cache(cache, who)
     batch, prompt_len = input_ids.shape
-    rows = getattr(cache, "batch_size", batch)
-    if rows != batch:
+    rows = getattr(cache, "batch_size", None)  # None: a DynamicCache, whose rows come with its first write
+    if rows is not None and rows != batch:
         raise ValueError(f"{who}: input_ids has {batch} rows but the cache has {rows}; "
                          f"build the cache with batch_size={batch}")
     free = free_slots(cache)

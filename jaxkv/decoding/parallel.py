@@ -134,10 +134,11 @@ def sample_n(
             raise TypeError(f"{who}: {name} must be a JAX PRNG key (jax.random.key(seed) or a split of one), got "
                             f"{type(k).__name__} {k!r}")
     if keys is None:
-        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        if key.shape != (() if typed else (2,)):
+        typed = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+        if typed.shape != ():
             raise ValueError(
-                f"{who}: key must be one PRNG key (shape [] typed, or [2] raw uint32), got shape {list(key.shape)}; "
+                f"{who}: key must be one PRNG key (jax.random.key(seed), or one raw key), got a batch of shape "
+                f"{list(typed.shape)}; "
                 f"for one key per sample pass keys=[batch, num_return_sequences] (e.g. sample_keys(key, {batch}, {n}))"
             )
         keys = sample_keys(key, batch, n)
