@@ -320,3 +320,19 @@ def test_protocol():
     assert sk.shape == (2, HKV, CAP, HD) and ck.shape == (2, HKV, ENC, HD)
     assert len(list(cache)) == LAYERS
     assert isinstance(cache.cross_view(0), LayerView)
+
+
+def test_cross_views_zero_their_padding_and_an_integer_dtype_is_refused():
+    """LayerView promises zeros where no token is: the cross view handed back NaN padding, so
+    a user's masked softmax @ values gave NaN. from_layers(dtype=int32) truncated the states
+    (0.7 -> 0) where every other kind refuses an integer dtype."""
+    keys = jnp.full((1, 1, 4, 2), 0.7)
+    values = jnp.ones((1, 1, 4, 2)).at[:, :, 2:].set(jnp.nan)
+    cross = CrossAttentionCache.from_layers([(keys, values)], jnp.array([2]))
+    view = cross.view(0)
+    assert np.asarray(view.values)[0, 0, 2:].tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    probs = jnp.where(jnp.arange(4) < 2, 0.5, 0.0)  # masked softmax of one query
+    np.testing.assert_array_equal(np.asarray(probs @ view.values[0, 0]), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(view.values)[0, 0, :2], np.ones((2, 2)))
+    with pytest.raises(TypeError, match="dtype must be floating"):
+        CrossAttentionCache.from_layers([(keys, values)], dtype=jnp.int32)

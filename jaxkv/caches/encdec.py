@@ -38,6 +38,7 @@ from jaxkv.caches._checks import (
     _check_row_indices,
     _check_states,
     _flag,
+    _floating_dtype,
     _is_traced,
     _layer_index,
     _raise_on_flags,
@@ -90,7 +91,8 @@ class CrossAttentionCache:
         for i, (k, _) in enumerate(pairs):
             if k.shape != shape:
                 raise ValueError(f"{who}: layer {i} has shape {k.shape}, layer 0 has {shape}; all must match.")
-        dtype = pairs[0][0].dtype if dtype is None else jnp.dtype(dtype)
+        # an integer dtype truncated the states (0.7 -> 0): refused as every kind refuses it
+        dtype = pairs[0][0].dtype if dtype is None else _floating_dtype(dtype, who)
         keys = jnp.stack([k.astype(dtype) for k, _ in pairs])
         values = jnp.stack([v.astype(dtype) for _, v in pairs])
         batch, enc = shape[0], shape[2]
@@ -118,7 +120,12 @@ class CrossAttentionCache:
         i = _layer_index(layer_idx, self.num_layers, "CrossAttentionCache.view")
         positions = jnp.zeros((self.batch_size, self.encoder_length), jnp.int32)
         ok, read, _ = _write_target(i, self.num_layers)  # a bad traced layer reads as empty, not another
-        return LayerView(self.keys[read], self.values[read], positions, jnp.where(ok, self.lengths, 0), None)
+        lengths = jnp.where(ok, self.lengths, 0)
+        # padding is zero in the view, as LayerView promises (0 * NaN in a user's masked
+        # softmax @ values would leak a NaN padding value)
+        held = jnp.arange(self.encoder_length)[None, :] < lengths[:, None]  # [B, E]
+        values = jnp.where(held[:, None, :, None], self.values[read], jnp.zeros((), self.values.dtype))
+        return LayerView(self.keys[read], values, positions, lengths, None)
 
     def _gather_rows(self, idx: Array) -> CrossAttentionCache:
         ok = (idx >= 0) & (idx < self.batch_size)
