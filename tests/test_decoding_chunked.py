@@ -126,3 +126,7 @@ def test_a_pool_that_runs_out_and_a_cache_of_another_batch_are_errors():
     assert int(roomy.seq_lengths(0)[0]) == 7 and not np.asarray(roomy.flags).any()
     with pytest.raises(ValueError, match="input_ids has 2 rows but the cache has 3; build the cache with batch_size=2"):
         chunked_prefill(model, _prompts([3, 2], 3), model.init_cache(3, CAPACITY), chunk_size=2)
+    from jaxkv import DynamicCache  # its own message still (the new flag check read .flags first)
+
+    with pytest.raises(ValueError, match="which DynamicCache does not track"):
+        chunked_prefill(model, _prompts([3], 3), DynamicCache(), chunk_size=2)

@@ -13,7 +13,6 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import model_vocab_size
-
 from jaxkv.caches import KVCache
 from jaxkv.caches._checks import _static_int
 from jaxkv.sampling import SamplingConfig, apply_temperature, min_p_filter, top_k_filter, top_p_filter

@@ -122,8 +122,9 @@ def chunked_prefill(
     padded = jnp.pad(input_ids, ((0, 0), (0, num_chunks * chunk - prompt_len)))
     graphdef, state = nnx.split(model)
     # [B, V] float32, whatever the model's V (a model without a config included)
-    last = jnp.zeros((batch, logits_width(model)), jnp.float32)  # [B, V]
-    flags_before = np.asarray(cache.flags)
+    last = jnp.zeros((batch, logits_width(model)), jnp.float32)
+    flags = getattr(cache, "flags", None)  # (a DynamicCache has none: its write below refuses num_new)
+    flags_before = None if flags is None else np.asarray(flags)
     all_logits = []
     for i in range(num_chunks):
         start = i * chunk
@@ -132,7 +133,7 @@ def chunked_prefill(
             graphdef, state, cache, padded[:, start : start + chunk], num_new, last, return_logits=return_logits
         )
         all_logits.append(logits)
-    if (np.asarray(cache.flags) & ~flags_before).any():
+    if flags_before is not None and (np.asarray(cache.flags) & ~flags_before).any():
         # a page pool that ran out (free_slots counts slots, not pages): the dropped tokens
         # would make every later logit wrong, so the new flag is an error here, as in the
         # serving loops
