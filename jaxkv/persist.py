@@ -310,7 +310,7 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
         # what open() would give: an existing file's mode (a private prompt cache stays
         # private), else 0666 less the umask (one shared between users stays readable by them).
         try:
-            mode = os.stat(path).st_mode & 0o7777
+            mode = os.stat(path).st_mode & 0o777
         except FileNotFoundError:
             umask = os.umask(0o022)
             os.umask(umask)
