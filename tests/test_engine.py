@@ -309,3 +309,21 @@ def test_bad_requests_are_refused(model):
             eng.run([EngineRequest([1], 2, temperature=1.0, seed=seed)])
     with pytest.raises(ValueError, match="cannot hold one request"):
         engine(model, num_pages=3)
+    for bad in (([1], 2), {"prompt": [1], "max_new_tokens": 2}):  # AttributeError: no attribute 'prompt'
+        with pytest.raises(TypeError, match="request 0 must be an EngineRequest"):
+            eng.run([bad])
+
+
+def test_nan_logits_give_the_nan_token_as_generate_does(model):
+    """A NaN in the weights (an overflow, a corrupt checkpoint): generate emits NAN_TOKEN (-1);
+    the engine emitted token 0 (argmax of NaN), a real id, which even ended a request whose
+    stop ids held 0."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    broken = nnx.clone(model)
+    broken.norm.weight.set_value(broken.norm.weight.get_value().at[0].set(jnp.nan))
+    out = engine(broken).run([EngineRequest([37, 57, 41], 3), EngineRequest([37, 57, 41], 3, temperature=0.8, seed=3),
+                              EngineRequest([37, 57, 41], 3, stop_token_ids=[0])])
+    for completion in out:
+        assert list(completion.tokens) == [-1, -1, -1] and completion.finish_reason == "length"

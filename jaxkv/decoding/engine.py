@@ -65,6 +65,7 @@ from flax import nnx
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import NO_PAGE
 from jaxkv.decoding._common import check_integer_ids, check_positive_int, check_request, forward
+from jaxkv.generation import nan_rows_as_nan_token
 from jaxkv.sampling import SamplingConfig, TokenHistory, apply_temperature, penalise, record_tokens, token_counts
 
 __all__ = ["EngineRequest", "EngineResult", "PagedEngine", "PrefixIndex"]
@@ -242,10 +243,12 @@ def _step_program(graphdef, state, cache, rows, tokens, num_new, sampling, histo
     logits, sub = forward(graphdef, state, tokens, sub, num_new)
     cache = cache.merge_rows(rows, sub)
     last = jnp.take_along_axis(logits, jnp.clip(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    raw = last
     if history is not None:
         mine = TokenHistory(*(jnp.take(h, rows, axis=0, mode="fill", fill_value=0) for h in history))
         last = penalise(last, mine, rep, pres, freq)  # per-row strengths: 1.0 / 0.0 / 0.0 leave a row as it was
-    picked = _sample_rows(last, temperature, top_p, min_p, seeds, index)
+    # a row whose logits are NaN gets NAN_TOKEN (-1), as from generate: argmax gave 0, a real id
+    picked = nan_rows_as_nan_token(raw, _sample_rows(last, temperature, top_p, min_p, seeds, index))
     if history is not None:
         # The rows that emitted a token this step (not a prefill chunk short of its prompt's end).
         counts = record_tokens(mine, picked, emits).counts
@@ -352,6 +355,9 @@ class PagedEngine:
     # ---- checks
 
     def _check(self, request: EngineRequest, index: int, who: str) -> None:
+        if not isinstance(request, EngineRequest):  # a (prompt, n) tuple or a dict: AttributeError before
+            raise TypeError(f"{who}: request {index} must be an EngineRequest(prompt, max_new_tokens, ...), "
+                            f"got {type(request).__name__}")
         check_request(request.prompt, request.max_new_tokens, request.arrival, self.max_length, self._vocab_size,
                       who, index, f"request {index}")
         t = request.temperature
