@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxkv.attention import cache_attention, token_positions
 from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.caches._checks import _check_sizes
 from jaxkv.caches.container import check_cache
 from jaxkv.serialization import register_flax_serialization
 
@@ -142,10 +143,8 @@ class KVAttention(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"KVAttention: {name} must be an int >= 1, got {value!r}")
+        _check_sizes("KVAttention", embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"

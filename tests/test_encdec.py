@@ -324,7 +324,7 @@ def test_protocol():
 
 def test_cross_views_zero_their_padding_and_an_integer_dtype_is_refused():
     """LayerView promises zeros where no token is: the cross view handed back NaN padding, so
-    a user's masked softmax @ values gave NaN. from_layers(dtype=int32) truncated the states
+    a user's masked softmax @ values gave NaN (from_layers now stores the padding as zero). from_layers(dtype=int32) truncated the states
     (0.7 -> 0) where every other kind refuses an integer dtype."""
     keys = jnp.full((1, 1, 4, 2), 0.7)
     values = jnp.ones((1, 1, 4, 2)).at[:, :, 2:].set(jnp.nan)

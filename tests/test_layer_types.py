@@ -132,6 +132,6 @@ def test_a_config_built_by_hand_needs_a_window_for_its_sliding_layers():
     with pytest.raises(ValueError, match="marks layers as sliding but sliding_window is None"):
         LlamaConfig.tiny(sliding_layers=(True, False))
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="sliding_window must be a positive integer or None"):
+        with pytest.raises(ValueError, match="sliding_window must be an int >= 1"):
             LlamaConfig.tiny(sliding_window=bad, sliding_layers=(True, False))
     assert LlamaConfig.tiny(sliding_window=4, sliding_layers=(True, False)).sliding_window == 4

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxkv.attention import pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend, quantized_blockwise_attend
 from jaxkv.attention.dense import attend
-from jaxkv.caches._checks import _new_counts
+from jaxkv.caches._checks import _is_traced, _new_counts
 from jaxkv.caches.views import ContiguousView, LayerView, PagedView, QuantizedView
 
 __all__ = ["attend_view", "cache_attention", "token_positions", "update_and_attend"]
@@ -152,6 +152,8 @@ def cache_attention(
         # it (a concrete count outside [0, T] raises; a traced one makes its row NaN, where a
         # cache would flag it): a negative count gave a row of zeros.
         lengths, invalid = _new_counts(num_new, queries.shape[0], keys.shape[2], "cache_attention")
+        if not _is_traced(num_new):  # checked on the host: nothing to poison, no select on the output
+            invalid = None
         view = LayerView(keys, values, positions, lengths, None)
     else:
         cache, view = cache.write(keys, values, layer_idx, num_new=num_new)

@@ -97,6 +97,10 @@ class CrossAttentionCache:
         values = jnp.stack([v.astype(dtype) for _, v in pairs])
         batch, enc = shape[0], shape[2]
         lengths, bad = _check_lengths(lengths, batch, enc, who)
+        # padding is stored as zero, as LayerView promises of every view (NaN padding leaked
+        # into a user's masked softmax @ values); written once here, not on every read
+        held = jnp.arange(enc)[None, :] < lengths[:, None]  # [B, E]
+        values = jnp.where(held[None, :, None, :, None], values, jnp.zeros((), values.dtype))
         return cls(keys, values, lengths, _flag(bad, INVALID))
 
     @property
@@ -120,12 +124,7 @@ class CrossAttentionCache:
         i = _layer_index(layer_idx, self.num_layers, "CrossAttentionCache.view")
         positions = jnp.zeros((self.batch_size, self.encoder_length), jnp.int32)
         ok, read, _ = _write_target(i, self.num_layers)  # a bad traced layer reads as empty, not another
-        lengths = jnp.where(ok, self.lengths, 0)
-        # padding is zero in the view, as LayerView promises (0 * NaN in a user's masked
-        # softmax @ values would leak a NaN padding value)
-        held = jnp.arange(self.encoder_length)[None, :] < lengths[:, None]  # [B, E]
-        values = jnp.where(held[:, None, :, None], self.values[read], jnp.zeros((), self.values.dtype))
-        return LayerView(self.keys[read], values, positions, lengths, None)
+        return LayerView(self.keys[read], self.values[read], positions, jnp.where(ok, self.lengths, 0), None)
 
     def _gather_rows(self, idx: Array) -> CrossAttentionCache:
         ok = (idx >= 0) & (idx < self.batch_size)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +36,7 @@ from flax import nnx
 
 from jaxkv._checks import check_token_ids
 from jaxkv.caches import DynamicCache, KVCache, StaticCache, check_cache
+from jaxkv.caches._checks import _check_sizes
 from jaxkv.models.layer_types import FULL, SLIDING, layer_types_from_config
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
@@ -129,11 +129,8 @@ class LlamaConfig:
                 "sliding_layers marks layers as sliding but sliding_window is None; give the window "
                 "(sliding_window=W) or mark no layer sliding"
             )
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, numbers.Integral)
-            or self.sliding_window < 1
-        ):
-            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.sliding_window is not None:
+            _check_sizes("LlamaConfig", sliding_window=self.sliding_window)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> LlamaConfig:
