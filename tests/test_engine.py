@@ -164,6 +164,22 @@ def test_per_row_top_p_and_the_key_rule_follow_their_definitions():
     np.testing.assert_array_equal(picked[1:400:2], want)
 
 
+def test_rows_without_top_p_keep_every_token():
+    """A request without top_p (p = 1 in its row) samples from every token, as generate's
+    filter-free path does: the float32 running sum of many probabilities rounds up to 1 before
+    the tail, and the filter at p = 1 dropped tens to hundreds of tail tokens (the draw then
+    could never be one of them)."""
+    import jax.numpy as jnp
+
+    from jaxkv.decoding.engine import _per_row_top_p
+
+    rng = np.random.default_rng(0)
+    for vocab in (1000, 4096, 32000):
+        logits = jnp.asarray(rng.normal(size=(8, vocab)) * 2.0, jnp.float32)
+        got = np.asarray(_per_row_top_p(logits, jnp.ones(8, jnp.float32)))
+        np.testing.assert_array_equal(got, np.asarray(logits), err_msg=f"vocab {vocab}: p = 1 dropped tokens")
+
+
 def test_a_request_top_p_reaches_its_row(model, reference):
     """A top-p that keeps only the most likely token makes a hot sampler greedy: the
     request's top_p reaches the row's filter (at temperature 5 alone the draws wander)."""
@@ -312,6 +328,13 @@ def test_bad_requests_are_refused(model):
     for bad in (([1], 2), {"prompt": [1], "max_new_tokens": 2}):  # AttributeError: no attribute 'prompt'
         with pytest.raises(TypeError, match="request 0 must be an EngineRequest"):
             eng.run([bad])
+    # stream() tags tokens by id: two requests of one id were accepted, their tokens inseparable
+    with pytest.raises(ValueError, match="requests 0 and 2 have the same id 'a'"):
+        eng.run([EngineRequest([1], 2, id="a"), EngineRequest([1], 2, id="b"), EngineRequest([2], 2, id="a")])
+    with pytest.raises(ValueError, match=r"requests 0 and 1 have the same id 0 \(request 0 has no id"):
+        list(eng.stream([EngineRequest([1], 2), EngineRequest([1], 2, id=0)]))
+    with pytest.raises(TypeError, match="request 0 id must be hashable"):
+        eng.run([EngineRequest([1], 2, id=["a"])])
 
 
 def test_nan_logits_give_the_nan_token_as_generate_does(model):

@@ -88,7 +88,8 @@ class EngineRequest:
         seed: sampling seed, an int in ``[0, 2**32)``; token ``i`` uses ``fold_in(PRNGKey(seed), i)``.
         stop_token_ids: tokens that end the request (kept in its output).
         arrival: the engine step at which the request becomes visible.
-        id: anything hashable naming the request (default: its index).
+        id: anything hashable naming the request (default: its index); the requests of one
+            run must have different ids.
     """
 
     prompt: Sequence[int]
@@ -208,6 +209,9 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     mass_before = jnp.concatenate([jnp.zeros_like(running[:, :1]), running[:, :-1]], axis=-1)
     keep_sorted = mass_before < top_p[:, None]
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    # A row without top_p (p = 1) keeps every token, as generate's filter-free path does: the
+    # rounded running sum can reach 1 before the tail and would drop it.
+    keep = keep | (top_p[:, None] >= 1.0)
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -448,6 +452,7 @@ class PagedEngine:
         for index, request in enumerate(requests):
             self._check(request, index, who)
         ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
+        _check_unique_ids(ids, requests, who)
         pending = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
         waiting: collections.deque[int] = collections.deque()
         rows: list[_Running | None] = [None] * self.max_rows
@@ -747,6 +752,21 @@ class PagedEngine:
             rows[j], num_tokens[j] = row, count
             pages[j, : len(hit)] = hit
         return jnp.asarray(rows), jnp.asarray(pages), jnp.asarray(num_tokens)
+
+
+def _check_unique_ids(ids: list, requests: Sequence[EngineRequest], who: str) -> None:
+    """stream() yields (id, token): two requests of one id could not be told apart."""
+    first: dict = {}
+    for index, rid in enumerate(ids):
+        try:
+            seen = first.setdefault(rid, index)
+        except TypeError:
+            raise TypeError(f"{who}: request {index} id must be hashable, got {rid!r} of type "
+                            f"{type(rid).__name__}") from None
+        if seen != index:
+            named = "" if requests[seen].id is not None else f" (request {seen} has no id: its id is its index)"
+            raise ValueError(f"{who}: requests {seen} and {index} have the same id {rid!r}{named}; streamed tokens "
+                             "are tagged by id, so each request needs its own (or leave every id None)")
 
 
 def _has_penalty(request: EngineRequest) -> bool:
