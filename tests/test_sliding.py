@@ -334,6 +334,9 @@ def test_a_window_of_one_rolls_back_any_amount():
         (lambda c: make(window=0), ValueError, "window must be an int >= 1"),
         (lambda c: make(extra=-1), ValueError, "extra_slots must be an int >= 0"),
         (lambda c: make(dtype=jnp.int8), TypeError, "dtype must be floating"),
+        # a bf16 prefill put into f32 rows was cast silently (StaticCache refused it)
+        (lambda c: c.put_rows(jnp.array([1]), make(4, 1, batch=1, dtype=jnp.bfloat16)), TypeError,
+         r"put_rows: the other cache has another dtype: bfloat16; this one has float32 \(RingStorage.keys"),
     ],
 )
 def test_bad_input(call, exc, match):

@@ -518,7 +518,7 @@ class KVCache:
             ``rows`` may hold anything).
 
         Raises:
-          ValueError / TypeError: another structure or sizes (only the batch may differ),
+          ValueError / TypeError: another structure, sizes or dtype (only the batch may differ),
             a mask not bool[N], an out-of-range row or a row named twice (eagerly). Under
             jit an out-of-range row that is not masked is dropped and every row of the
             result is flagged ``INVALID`` (``check()`` raises); a row named twice takes its
@@ -898,6 +898,12 @@ def _check_same_row_layout(mine: tuple, theirs: tuple, who: str) -> None:
                     f"{who}: the other cache's {type(b).__name__}.{field} (storage {i}) has shape {y.shape}, "
                     f"this cache's {x.shape}: {diff or 'another rank'}. Only the batch size may differ: "
                     "build the cache you prefill with the same init arguments except batch_size."
+                )
+            if x.dtype != y.dtype:  # the scatter would cast it silently (a bf16 prefill into f32 rows)
+                raise TypeError(
+                    f"{who}: the other cache has another dtype: {y.dtype}; this one has {x.dtype} "
+                    f"({type(b).__name__}.{field}, storage {i}). Prefill the rows in a cache made with the same "
+                    "init arguments except batch_size."
                 )
 
 
