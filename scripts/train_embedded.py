@@ -184,6 +184,14 @@ def parse_args(argv=None):
     p.add_argument("--ul-tokens", type=int, default=192)
     p.add_argument("--ul-temperature", type=float, default=0.2)
     p.add_argument("--ul-weight", type=float, default=1.0)
+    p.add_argument(
+        "--self-data",
+        default=None,
+        help="a token stream written by scripts/self_samples.py (the model's own functions that finished and "
+        "parse, as function documents): --self-rows of every batch's rows are windows of it instead of the "
+        "corpus (rejection-sampling fine-tuning)",
+    )
+    p.add_argument("--self-rows", type=int, default=0, help="rows of each batch taken from --self-data")
     p.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -200,6 +208,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_positions is None:
         args.max_positions = args.context
+    if bool(args.self_data) != (args.self_rows > 0) or not 0 <= args.self_rows <= args.batch:
+        p.error("--self-data and --self-rows go together, with 0 < --self-rows <= --batch")
     return args
 
 
@@ -492,6 +502,26 @@ def unlikelihood_prompts(corpus) -> list[str]:
     return [header for _, _, header in function_headers(train_files)]
 
 
+def load_self_data(path, window: int) -> np.ndarray:
+    """The token stream of ``scripts/self_samples.py`` (``--self-data``)."""
+    with np.load(path) as f:
+        ids = f["ids"]
+    if len(ids) <= window:
+        raise SystemExit(f"--self-data {path}: {len(ids)} tokens, fewer than one window of {window}")
+    print(f"self data {path}: {len(ids)} tokens", flush=True)
+    return ids
+
+
+def training_windows(rng, train_ids, self_ids, batch: int, self_rows: int, window: int) -> np.ndarray:
+    """``[batch, window]`` int64: random windows of the corpus, the last ``self_rows`` of them
+    from ``self_ids`` (the model's own parsing functions) instead."""
+    rows = []
+    for stream, n in ((train_ids, batch - self_rows), (self_ids, self_rows)):
+        for s in rng.integers(0, len(stream) - window, size=n) if n else ():
+            rows.append(stream[s : s + window])
+    return np.stack(rows).astype(np.int64)
+
+
 def lr_at(step, args, progress=None):
     """Linear warmup over ``args.warmup`` steps, then cosine decay to ``min_lr_ratio``.
 
@@ -687,6 +717,7 @@ def main(argv=None):
     marks = [(0, time.time())]  # (steps done, time) every 25 steps, for the step-time estimate
     t_train = marks[0][1]
     ul_headers = unlikelihood_prompts(corpus) if args.unlikelihood_every else None
+    self_ids = load_self_data(args.self_data, T) if args.self_data else None
     ul_gen = torch.Generator().manual_seed(args.seed)
     ul_running = {"loss": 0.0, "candidates": 0, "tokens": 0, "steps": 0}
     model.train()
@@ -702,8 +733,7 @@ def main(argv=None):
         lr = lr_at(step, args, progress)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = rng.integers(0, len(train_ids) - T, size=args.batch)
-        batch = torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts]).astype(np.int64)).to(device)
+        batch = torch.from_numpy(training_windows(rng, train_ids, self_ids, args.batch, args.self_rows, T)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = lm_loss(model, batch)
         total = loss
@@ -845,6 +875,11 @@ def main(argv=None):
         "history": history,
         "samples": smp,
     }
+    if args.self_data:
+        made = Path(args.self_data).with_suffix(".json")  # what scripts/self_samples.py recorded
+        log["self_data"] = {"tokens": int(len(self_ids)), "rows_per_batch": args.self_rows,
+                            **({k: v for k, v in json.loads(made.read_text()).items() if k != "examples"}
+                               if made.exists() else {})}
     if args.init_from:
         # The runs that made the starting weights, newest first, each without its own samples.
         prior = dict(prior_log or {})

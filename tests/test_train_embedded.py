@@ -297,3 +297,53 @@ def test_kept_lengths_end_at_the_end_of_text_token(tok):
     body = tok.encode("\n    return x + 1\n", add_special_tokens=False).ids
     rows = [body + [0, 0, 0, 0], body + tok.encode("def g", add_special_tokens=False).ids]
     assert unlikelihood.kept_lengths(tok, rows, 0) == [len(body), len(body)]
+
+
+# ------------------------------------------- --self-data (scripts/self_samples.py, rejection sampling)
+
+import self_samples  # noqa: E402
+
+
+def test_self_rows_come_from_the_self_stream_and_none_keeps_the_old_draws():
+    train_ids = np.arange(1000, dtype=np.uint16)
+    self_ids = np.arange(5000, 5100, dtype=np.uint16)
+    got = train_embedded.training_windows(np.random.default_rng(3), train_ids, self_ids, 8, 3, 17)
+    assert got.shape == (8, 17) and got.dtype == np.int64
+    assert (got[:5] < 1000).all() and (got[5:] >= 5000).all()
+    assert (np.diff(got, axis=1) == 1).all()  # each row is one contiguous window of its stream
+    # without self rows: exactly the draws the script made before --self-data existed
+    rng_old, rng_new = np.random.default_rng(3), np.random.default_rng(3)
+    starts = rng_old.integers(0, len(train_ids) - 17, size=8)
+    want = np.stack([train_ids[s : s + 17] for s in starts]).astype(np.int64)
+    np.testing.assert_array_equal(train_embedded.training_windows(rng_new, train_ids, None, 8, 0, 17), want)
+
+
+def test_self_data_options_go_together():
+    for argv in (["--self-data", "x.npz"], ["--self-rows", "2"], ["--self-data", "x.npz", "--self-rows", "17"]):
+        with pytest.raises(SystemExit):
+            train_embedded.parse_args(argv)  # --batch is 16
+
+
+def test_repeat_share_counts_tokens_that_close_an_earlier_ngram():
+    def brute(ids, n):
+        grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+        return sum(g in grams[:i] for i, g in enumerate(grams)) / max(1, len(ids))
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, 3, size=int(rng.integers(0, 30))).tolist()
+        n = int(rng.integers(1, 5))
+        assert self_samples.repeat_share(ids, n) == pytest.approx(brute(ids, n))
+
+
+def test_only_finished_parsing_loop_free_functions_are_kept():
+    import eval_embedded
+
+    header = "def f(x):"
+    good = eval_embedded.score(header, "\n    return x + 1\n\ndef g():\n", False)
+    unfinished = eval_embedded.score(header, "\n    return x + 1\n    y = 2\n    z", False)
+    broken = eval_embedded.score(header, "\n    return (x\n\ndef g():\n", False)
+    assert self_samples.keep(good, list(range(20)), 0.05)
+    assert not self_samples.keep(unfinished, list(range(20)), 0.05)
+    assert not self_samples.keep(broken, list(range(20)), 0.05)
+    assert not self_samples.keep(good, [1, 2] * 10, 0.05)  # a loop: 12 of its 20 tokens close an earlier 8-gram
