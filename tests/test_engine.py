@@ -283,6 +283,31 @@ def test_admission_keeps_the_prefix_pages_it_matched(model, reference):
         eng.run([EngineRequest(PROMPTS[1], N)])  # the same pins, the same free page
 
 
+def test_evicting_a_prefix_page_drops_the_pages_after_it(model, reference):
+    """A lookup walks a chain from its first page: evicting page 0 of PROMPTS[0]'s indexed
+    chain made page 1 unreachable, yet it stayed pinned (pool space no request could use)
+    until LRU reached it too. Now the pages after an evicted one go with it."""
+    eng = _tight_engine(model, free_left=0)  # index: PROMPTS[0]'s pages 0 -> 1; nothing else free
+    out = eng.run([EngineRequest(PROMPTS[2], 2)])  # 3 + 2 tokens: 1 page, taken from the index
+    assert [list(r.tokens) for r in out] == [reference[2][:2]]
+    assert (eng.stats["evicted_pages"], len(eng.prefix)) == (2, 0)
+    refcount = np.asarray(eng._cache.refcount)
+    assert eng._cache.free_pages == int((refcount == 0).sum()) == 2  # both of the chain's pages are free
+
+    from jaxkv.decoding.engine import PrefixIndex
+
+    index = PrefixIndex(2)
+    a, b = index.keys_of([1, 2, 3, 4, 5, 6]), index.keys_of([1, 2, 9, 9])
+    for j, key in enumerate(a):
+        assert index.insert(key, 10 + j, a[j - 1] if j else None)
+    assert not index.insert(b[0], 99, None) and index.insert(b[1], 20, b[0])  # b shares a's first page
+    assert sorted(index.remove(a[1])) == [11, 12]  # a's pages 1, 2; b's branch stays
+    assert index.lookup(a) == [10] and index.lookup(b) == [10, 20]
+    assert sorted(index.remove(a[0])) == [10, 20]
+    assert len(index) == 0
+    assert not index.insert(a[1], 11, a[0])  # its parent is gone: no lookup could reach it
+
+
 def test_a_flagged_write_is_an_error_and_the_next_run_is_clean(model, reference):
     # Whatever drops a write (an accounting bug the page checks above miss), the engine
     # raises instead of sampling from it, and its rows are emptied for the next run.

@@ -141,12 +141,16 @@ class PrefixIndex:
 
     Key of page ``i`` of a sequence: ``sha256(key of page i-1 || page tokens)``, so equal
     keys mean equal token prefixes. Each entry pins its page in the pool; entries are
-    evicted least recently used first, and only when no row holds the page.
+    evicted least recently used first, and only when no row holds the page. Evicting a page
+    also drops the entries of the pages after it in its chains: a lookup walks a chain from
+    its first page, so they could never be found again and only held pool space.
     """
 
     def __init__(self, page_size: int):
         self.page_size = page_size
         self._pages: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU order
+        self._children: dict[bytes, set[bytes]] = {}  # key -> indexed keys of the pages right after it
+        self._parent: dict[bytes, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -171,20 +175,40 @@ class PrefixIndex:
             pages.append(page)
         return pages
 
-    def insert(self, key: bytes, page: int) -> bool:
-        """Indexes ``page`` under ``key``; False if the key is already there (nothing pinned)."""
+    def insert(self, key: bytes, page: int, parent: bytes | None = None) -> bool:
+        """Indexes ``page`` under ``key`` (``parent``: the key of the page before it, None for a
+        first page); False if the key is already there, or its parent is not (evicted while
+        this page was written: no lookup could reach it), and nothing is pinned."""
         if key in self._pages:
             self._pages.move_to_end(key)
             return False
+        if parent is not None and parent not in self._pages:
+            return False
         self._pages[key] = page
+        if parent is not None:
+            self._parent[key] = parent
+            self._children.setdefault(parent, set()).add(key)
         return True
 
     def evictable(self, refcount: np.ndarray) -> list[tuple[bytes, int]]:
         """Entries whose page only the index holds, least recently used first."""
         return [(k, p) for k, p in self._pages.items() if refcount[p] == 1]
 
-    def remove(self, key: bytes) -> int:
-        return self._pages.pop(key)
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def remove(self, key: bytes) -> list[int]:
+        """Drops ``key`` and every indexed page after it in its chains; returns their pages
+        (``key``'s first), each of which the caller unpins."""
+        pages, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            pages.append(self._pages.pop(k))
+            parent = self._parent.pop(k, None)
+            if parent is not None and parent in self._children:
+                self._children[parent].discard(k)
+            stack.extend(self._children.pop(k, ()))
+        return pages
 
 
 @dataclasses.dataclass
@@ -488,18 +512,21 @@ class PagedEngine:
             if self.prefix is None or free >= wanted:
                 return free
             refcount = np.asarray(self._cache.refcount)
-            drop = []
+            drop, freed = [], 0
             for key, page in self.prefix.evictable(refcount):
-                if free + len(drop) >= wanted:
+                if free + freed >= wanted:
                     break
-                if page in keep:
+                if page in keep or key not in self.prefix:  # kept, or dropped with a page before it
                     continue
-                self.prefix.remove(key)
-                drop.append(page)
+                # the pages after it in its chains go too (unreachable); those a row still
+                # holds stay allocated to it, only the index's pin is dropped
+                dropped = self.prefix.remove(key)
+                drop += dropped
+                freed += sum(int(refcount[p]) == 1 for p in dropped)
             if drop:
                 self._cache = self._pin(self._cache, self._pad_pages(drop), delta=-1)
-                free += len(drop)
-                counters["evicted_pages"] += len(drop)
+                free += freed
+                counters["evicted_pages"] += freed
             return free
 
         def release_row(row: int) -> None:
@@ -711,7 +738,7 @@ class PagedEngine:
         pin = []
         for j in range(run.indexed, full):
             in_flight.discard(run.keys[j])
-            if self.prefix.insert(run.keys[j], int(table[j])):
+            if self.prefix.insert(run.keys[j], int(table[j]), run.keys[j - 1] if j else None):
                 pin.append(int(table[j]))
         run.indexed = full
         if pin:
