@@ -12,7 +12,7 @@ Code repeats short n-grams on its own (``self.``, ``    return``), so the n-gram
 long: in 400 functions of the stdlib training files, 0.8% of the tokens (over each
 function's first 192) complete an 8-token n-gram the function already had, against 23% in
 the shipped model's continuations that parse at temperature 0.2 and 55% in those that do
-not (``docs/embedded_eval.json``). The prompts are the function headers of the training
+not (``docs/embedded_eval_run11.json``, run 11). The prompts are the function headers of the training
 files (never the held-out validation files or the tuning packages), continued as
 ``scripts/eval_embedded.py`` continues its prompts, and only the function's own tokens count
 (up to its first non-blank line at column 0, or the end-of-text token).
