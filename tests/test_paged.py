@@ -241,6 +241,20 @@ def test_int4_pages_read_like_the_quantized_cache():
         np.testing.assert_array_equal(pages[layer][0][:, :, :7], flat[layer][0][:, :, :7])
 
 
+def test_quantized_pages_keys_are_their_codes():
+    """``cache.keys`` of int8 / int4 pages bitcast the codes to the float dtype: four int8
+    codes became one float32 (shape [L, P, H, ps], values like 7e37), no error."""
+    for bits, dtype in ((8, jnp.float32), (8, jnp.bfloat16), (4, jnp.float32)):
+        head_dim = {8: 4, 4: 8}[bits] if dtype == jnp.float32 else 2  # 4 (2) bytes a row: the silent case
+        cache = PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=head_dim, max_length=4,
+                                page_size=2, bits=bits, dtype=dtype)
+        k = jnp.arange(1, head_dim + 1, dtype=jnp.float32).reshape(1, 1, 1, head_dim)
+        cache = cache.update(k, k, 0)[0]
+        for got, stored in ((cache.keys, cache.stores[0].keys), (cache.values, cache.stores[0].values)):
+            assert got.dtype == stored.dtype and got.shape == stored.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(stored))
+
+
 def test_bf16_pages_are_written_in_place():
     cache = paged(batch=2, max_length=4096, dtype=jnp.bfloat16)
     k = jnp.ones((2, H, 1, D), jnp.bfloat16)

@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
 
-from jaxkv.caches._bits import from_bits
+from jaxkv.caches._bits import from_bits, stored_dtype
 from jaxkv.caches._checks import (
     INVALID,
     OUT_OF_PAGES,
@@ -751,10 +751,17 @@ def storage_field(name: str, doc: str, *, dtype_of: str | None = None) -> proper
     """A kind's read-only attribute that is a field of its (single) storage, e.g.
     ``StaticCache.keys`` is ``cache.stores[0].keys``. With ``dtype_of``, the field is a
     buffer that may be stored as bits (:mod:`jaxkv.caches._bits`) and the attribute returns
-    it as the dtype named by that storage field."""
+    it as the dtype named by that storage field. A buffer of another kind (the int8 / uint8
+    codes of quantized pages) is returned as stored: bitcasting codes to floats made numbers
+    of nothing (four int8 codes read as one float32)."""
     if dtype_of is None:
         return property(lambda self: getattr(self.stores[0], name), doc=doc)
-    return property(lambda self: from_bits(getattr(self.stores[0], name), getattr(self.stores[0], dtype_of)), doc=doc)
+
+    def read(self):
+        stored, dtype = getattr(self.stores[0], name), getattr(self.stores[0], dtype_of)
+        return from_bits(stored, dtype) if stored.dtype == stored_dtype(dtype) else stored
+
+    return property(read, doc=doc)
 
 
 def check_cache(cache: Any, who: str) -> Any:

@@ -589,8 +589,9 @@ class PagedCache(KVCache):
 
     # ---- the pool
 
-    keys = storage_field("keys", "[L, P, H, ps, D'] key pages (16-bit floats: from the stored bits).", dtype_of="dtype")
-    values = storage_field("values", "[L, P, H, ps, D'] value pages.", dtype_of="dtype")
+    keys = storage_field("keys", "[L, P, H, ps, D'] key pages (16-bit floats: from the stored bits; int8 / int4 "
+                         "pages: their codes as stored, scales in stores[0].key_scales).", dtype_of="dtype")
+    values = storage_field("values", "[L, P, H, ps, D'] value pages (as keys).", dtype_of="dtype")
     block_table = storage_field("block_table", "int32[B, M]: page of each block of each row (-1: none).")
     refcount = storage_field("refcount", "int32[P]: holders of each page (0: free).")
     page_size = storage_field("page_size", "Tokens per page.")
