@@ -511,6 +511,35 @@ def test_overflow_policy(kind):
     assert not out.reset().overflowed.any()
 
 
+@kinds
+def test_dense_reads_are_zero_where_no_token_is(kind):
+    """``LayerView`` promises zeros in the slots that hold no token, and users mask the dense
+    arrays of ``update`` / ``cache[i]`` themselves (``softmax(mask) @ values``): contiguous,
+    quantized and paged reads handed back whatever the buffer held there (the NaN of a
+    rolled-back token; for pages, the page another row wrote, read for a block with none)."""
+    rng = np.random.default_rng(11)
+    cache = KINDS[kind]()
+    for layer in range(L):
+        k = rand(rng, 3)
+        cache = do_update(kind, cache, layer, k, k, [3, 1, 0])
+    cache = poison_unused(cache)
+    for layer in range(L):
+        k = rand(rng, 1)
+        _, view = cache.update_view(k, k, layer, num_new=jnp.array([1, 1, 0]))
+        empty = (np.asarray(view.slot_positions()) == NO_POSITION)[:, None, :, None]
+        held = (3 + 1, 1 + 1, 0)
+        got = {"update_view": (view.keys, view.values), "cache[layer]": cache[layer][:2]}  # encdec: 4 arrays
+        for where, (keys, values) in got.items():
+            for name, x in (("keys", keys), ("values", values)):
+                x = np.asarray(x, np.float32)
+                mask = np.broadcast_to(empty, x.shape) if where == "update_view" else np.broadcast_to(
+                    np.arange(x.shape[2])[None, None, :, None] >= np.asarray(cache.seq_lengths(layer))[:, None, None, None],
+                    x.shape)
+                assert np.isfinite(x).all(), f"{where} {name} of layer {layer}: non-finite"
+                assert not x[mask].any(), f"{where} {name} of layer {layer}: nonzero where no token is"
+        assert (~empty[:, 0, :, 0]).sum(axis=1).tolist() == [min(n, view.keys.shape[2]) for n in held]
+
+
 @protocol_kinds
 def test_traced_bad_indices_empty_the_row_and_flag_it(kind):
     cache = filled(kind)

@@ -57,7 +57,8 @@ def slot_positions(lengths: Array, starts: Array, num_slots: int) -> Array:
 
 
 def _zero_empty(values: Array, positions: Array) -> Array:
-    """Zeros the value entries that hold no token (``0 * NaN`` would leak through attention)."""
+    """Zeros the entries that hold no token (``0 * NaN`` would leak through attention; keys
+    too, for a user's own masking of a dense read)."""
     return jnp.where((positions != NO_POSITION)[:, None, :, None], values, jnp.zeros((), values.dtype))
 
 
@@ -122,12 +123,12 @@ class RingStorage:
         view_k = jnp.concatenate([self.keys[read_layer], keys.astype(self.dtype)], axis=2)
         view_v = jnp.concatenate([self.values[read_layer], values.astype(self.dtype)], axis=2)
         full = jnp.full((keys.shape[0],), view_pos.shape[1], jnp.int32)
-        return new, LayerView(view_k, _zero_empty(view_v, view_pos), view_pos, full, self.window)
+        return new, LayerView(_zero_empty(view_k, view_pos), _zero_empty(view_v, view_pos), view_pos, full, self.window)
 
     def view(self, layer: Any, lengths: Array) -> LayerView:
         pos = slot_positions(lengths, self.starts[layer], self.num_slots)
         full = jnp.full((lengths.shape[0],), self.num_slots, jnp.int32)
-        return LayerView(self.keys[layer], _zero_empty(self.values[layer], pos), pos, full, self.window)
+        return LayerView(_zero_empty(self.keys[layer], pos), _zero_empty(self.values[layer], pos), pos, full, self.window)
 
     def crop(self, old: Array, new: Array, *, who: str, layers: Any) -> tuple[RingStorage, Array]:
         needed_from = jnp.maximum(new - self.window + 1, 0)

@@ -64,6 +64,15 @@ class LayerView(NamedTuple):
         return jnp.where(slots < self.kv_lengths[:, None], self.kv_positions, jnp.int32(NO_POSITION))
 
 
+def _zero_unfilled(keys: Array, values: Array, lengths: Array) -> tuple[Array, Array]:
+    """``[B, H, S, D]`` keys and values with zeros in the slots at or past each row's length,
+    as :class:`LayerView` promises: a user's own masked ``softmax @ values`` over a dense read
+    met stale NaN of a rolled-back token, or (pages) another row's page read for a block the
+    row has no page for. Only dense reads pay for it; attention reads the views in place."""
+    filled = (jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :] < lengths[:, None])[:, None, :, None]
+    return jnp.where(filled, keys, 0), jnp.where(filled, values, 0)
+
+
 def _filled_positions(lengths: Array, num_slots: int) -> Array:
     slots = jnp.arange(num_slots, dtype=jnp.int32)[None, :]
     return jnp.where(slots < lengths[:, None], slots, jnp.int32(NO_POSITION))
@@ -84,7 +93,7 @@ class ContiguousView(NamedTuple):
 
     def dense(self) -> LayerView:
         keys, values = (from_bits(x[self.layer], self.dtype) for x in (self.keys, self.values))
-        return LayerView(keys, values, None, self.lengths, None)
+        return LayerView(*_zero_unfilled(keys, values, self.lengths), None, self.lengths, None)
 
     def slot_positions(self) -> Array:
         """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
@@ -130,7 +139,7 @@ class QuantizedView(NamedTuple):
             rows = jnp.arange(keys.shape[0], dtype=jnp.int32)[:, None]
             keys = keys.at[rows, :, slot].set(self.residual_keys.transpose(0, 2, 1, 3), mode="drop")
             values = values.at[rows, :, slot].set(self.residual_values.transpose(0, 2, 1, 3), mode="drop")
-        return LayerView(keys, values, None, self.lengths, None)
+        return LayerView(*_zero_unfilled(keys, values, self.lengths), None, self.lengths, None)
 
     def slot_positions(self) -> Array:
         """int32[B, S]: the position each slot holds, ``NO_POSITION`` where none."""
@@ -184,7 +193,7 @@ class PagedView(NamedTuple):
 
     def dense(self) -> LayerView:
         keys, values = self.gather(self.block_table)
-        return LayerView(keys, values, None, self.lengths, None)
+        return LayerView(*_zero_unfilled(keys, values, self.lengths), None, self.lengths, None)
 
     def slot_positions(self) -> Array:
         """int32[B, M * ps]: the position each slot holds, ``NO_POSITION`` where none."""
