@@ -62,6 +62,14 @@ def training_headers() -> list[tuple[str, int, str]]:
     return function_headers(train_files)
 
 
+def without(headers, banned) -> list[tuple[str, int, str]]:
+    """``headers`` less those whose text is one of ``banned`` (held-out or tuning prompts):
+    a training file may hold the same signature (``def run(self):``) as a held-out one, and
+    its prompt would then be the scored prompt itself."""
+    banned = set(banned)
+    return [h for h in headers if h[2] not in banned]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded model)")
@@ -86,7 +94,12 @@ def main(argv=None):
     loaded = from_pretrained(path)
     tok = loaded.tokenizer
     eot = tok.token_to_id("<|endoftext|>")
-    headers = [h for h in pick_evenly(training_headers(), args.headers)
+    from eval_embedded import held_out_headers, tuning_headers
+
+    # Run 17's data (docs/self_samples.json) was made before this exclusion: 43 of the 100
+    # held-out header strings and 18 of the 200 tuning ones were among its 5973 prompts.
+    scored = [h for _, _, h in held_out_headers(100)[1] + tuning_headers(200)[1]]
+    headers = [h for h in pick_evenly(without(training_headers(), scored), args.headers)
                if len(tok.encode(h[2]).ids) <= args.max_prompt_tokens]
     print(f"{path}: {len(headers)} training-file headers, temperatures {args.temperatures}", flush=True)
 
@@ -129,8 +142,10 @@ def main(argv=None):
 
     from train_embedded import encode_stream
 
+    if not docs:
+        raise SystemExit("self_samples.py: no continuation was kept; nothing written")
     stream = encode_stream(tok, docs, eot)
-    out = Path(args.out)
+    out = Path(args.out).with_suffix(".npz")  # what np.savez_compressed writes
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out, ids=stream)
     record.update(documents=len(docs), tokens=int(len(stream)), seconds=round(time.perf_counter() - t0, 1),

@@ -347,3 +347,8 @@ def test_only_finished_parsing_loop_free_functions_are_kept():
     assert not self_samples.keep(unfinished, list(range(20)), 0.05)
     assert not self_samples.keep(broken, list(range(20)), 0.05)
     assert not self_samples.keep(good, [1, 2] * 10, 0.05)  # a loop: 12 of its 20 tokens close an earlier 8-gram
+
+
+def test_self_sampling_prompts_leave_out_the_scored_headers():
+    headers = [("a.py", 1, "def run(self):"), ("a.py", 9, "def f(x):"), ("b.py", 3, "def run(self):")]
+    assert self_samples.without(headers, ["def run(self):"]) == [("a.py", 9, "def f(x):")]
