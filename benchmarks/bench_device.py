@@ -27,11 +27,15 @@ It runs, on ``jax.devices()[0]``, side by side in one run:
    read floor of ``bench_generate``;
 5. ``llama1b`` (:mod:`bench_llama1b`): a Llama-3.2-1B-shaped bfloat16 model, jaxkv (both layer
    layouts) against its read floor and transformers' static cache eager and with
-   ``torch.compile``, batch 1 and 32 with 1K prompts, and the first ``generate`` call's time.
+   ``torch.compile``, batch 1 and 32 with 1K prompts, and the first ``generate`` call's time;
+6. ``xla`` (:func:`bench_llama1b.run_xla_variants`): the same model's decode step, both layouts,
+   under XLA options side by side in one process (default, dynamic-slice fusion, command
+   buffers with the loop inside them, both), against the read floor;
+7. ``sweep``: the Pallas kernel's launch options (``--sweep-set``).
 
 ``--quick`` shrinks every size (a smoke run for CPU, a minute). ``--sections`` picks parts
 (``kernels`` is part 0; default: all). They run in the order of ``SECTIONS`` (kernels, llama1b,
-capacity, loop, bandwidth, generate: the issue's goals first), each on its own: one that fails
+xla, sweep, capacity, loop, bandwidth, generate: the issue's goals first), each on its own: one that fails
 is recorded under ``errors`` and the others run; the JSON is rewritten after every section,
 so a run cut short by the device's time limit keeps what it finished. The JSON holds the device description, so GPU
 figures can sit beside the CPU ones in ``benchmarks/results/``.
@@ -65,7 +69,7 @@ from jaxkv.caches.views import ContiguousView, QuantizedView  # noqa: E402
 
 # Issue-14 tables: the Llama-3.2-1B attention shape.
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
-SECTIONS = ("kernels", "llama1b", "sweep", "capacity", "loop", "bandwidth", "generate")  # run in this order
+SECTIONS = ("kernels", "llama1b", "xla", "sweep", "capacity", "loop", "bandwidth", "generate")  # run in this order
 
 
 def _kv_buffers(kind, layers, batch, capacity, seed=0):
@@ -394,6 +398,15 @@ def main() -> None:
         bench_llama1b.report(llama)
         return llama
 
+    def xla():
+        if args.quick:
+            variants = bench_llama1b.run_xla_variants(bench_llama1b.TINY, [(1, 16)], steps=8, repeats=2)
+        else:
+            variants = bench_llama1b.run_xla_variants(bench_llama1b.LLAMA_1B, [(1, 128), (32, 1024)], steps=32,
+                                                      repeats=3)
+        bench_llama1b.report_xla(variants)
+        return variants
+
     def generate():
         table = bg.run_benchmark(bg.FULL, cells, steps=steps, repeats=3, strategies=("jaxkv", "nnx"))
         bg.report(table)
@@ -405,6 +418,7 @@ def main() -> None:
         "sweep": lambda: kernel_sweep(configs=sweep_configs(args.quick, args.sweep_set), budget_s=args.sweep_seconds, **sweep),
         "kernels": lambda: decode_kernel_tables(**kernels),
         "llama1b": llama1b,
+        "xla": xla,
         "capacity": lambda: ba.capacity_table(capacities, fill=1024, repeats=30),
         "loop": lambda: ba.loop_table(fill=1024, **loop),
         "bandwidth": lambda: ba.bandwidth_table(repeats=10, profile=backend == "cpu", **bw),

@@ -175,13 +175,15 @@ def best_time(fn, repeats: int) -> float:
     return min(samples)
 
 
-def jaxkv_decode_loop(model, ids: np.ndarray, steps: int):
+def jaxkv_decode_loop(model, ids: np.ndarray, steps: int, compiler_options: dict | None = None):
     """``generate``'s decode steps as one program, apart from its prefill.
 
     Returns ``run()``, which runs ``steps`` calls of ``generation.decode_step`` (the body of
     ``generate``'s while loop) in a jitted ``lax.fori_loop`` on a donated copy of the
     prefilled cache and returns the tokens. The copy is made before the clock starts in
     :func:`time_jaxkv`; ``run`` itself includes it (use ``run.decode`` and ``run.fresh``).
+    ``compiler_options`` (XLA debug options, e.g. ``{"xla_gpu_enable_dynamic_slice_fusion":
+    True}``) go to the decode program's ``jax.jit``; the prefill is compiled without them.
     """
     ids = jnp.asarray(ids)
     batch, prompt = ids.shape
@@ -196,7 +198,7 @@ def jaxkv_decode_loop(model, ids: np.ndarray, steps: int):
         cache = model.init_cache(batch, capacity)
         return generation.prefill(graphdef, state, ids, lengths, cache, chunk_size=generation.DEFAULT_PREFILL_CHUNK)
 
-    @partial(jax.jit, donate_argnums=2)
+    @partial(jax.jit, donate_argnums=2, compiler_options=compiler_options or None)
     def decode_with(state, first, cache):
         def body(i, carry):
             last, cache, out = carry
@@ -227,18 +229,18 @@ STRICT_TOKENS = True
 TOKEN_MISMATCHES: list[dict] = []
 
 
-def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int) -> float:
+def time_jaxkv(model, ids: np.ndarray, steps: int, repeats: int, compiler_options: dict | None = None) -> float:
     """Decode steps of ``jaxkv.generate``, timed apart from the prefill.
 
     One jitted program runs ``steps`` decode steps (:func:`jaxkv_decode_loop`); step time =
     program time / steps, best of ``repeats``. Its tokens are checked equal to
     ``jaxkv.generate``'s, so this is the same computation without the prefill in the clock
     (subtracting a 1-token ``generate`` from an N-token one let prefill noise swamp the
-    steps at long contexts).
+    steps at long contexts). ``compiler_options``: see :func:`jaxkv_decode_loop`.
     """
     import jaxkv
 
-    run = jaxkv_decode_loop(model, ids, steps)
+    run = jaxkv_decode_loop(model, ids, steps, compiler_options)
     want = jaxkv.generate(model, jnp.asarray(ids), steps + 1).tokens
     got = np.asarray(run())
     if not np.array_equal(got, np.asarray(want)):

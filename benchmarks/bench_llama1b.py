@@ -205,6 +205,85 @@ def run(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int,
     return payload
 
 
+#: XLA options compared by :func:`run_xla_variants` (the scanned step was ~1 ms slower than
+#: per-layer on the H200, about what copying every layer's weights out of the stacks would
+#: cost; the per-layer step was ~2x its read floor at batch 1, many small kernels per layer):
+#: dynamic-slice fusion lets a cuBLAS matmul read its operand at an offset of the stacked
+#: buffer; command buffers (CUDA graphs) with the loop's while/conditional inside them
+#: launch a step's kernels as one graph. Ignored by XLA:CPU (the --quick run).
+_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                    "xla_gpu_graph_min_graph_size": 1}
+XLA_VARIANTS = {
+    "default": {},
+    "dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "command buffers": _COMMAND_BUFFERS,
+    "both": {"xla_gpu_enable_dynamic_slice_fusion": True, **_COMMAND_BUFFERS},
+}
+
+
+def run_xla_variants(shape: Shape, cells: list[tuple[int, int]], *, steps: int, repeats: int) -> dict:
+    """jaxkv's decode step of both layer layouts under each of :data:`XLA_VARIANTS`, side by
+    side in one process on the same random weights (no transformers: the model is built
+    directly), with the read floor of each cell. A variant whose tokens differ from the
+    default's is recorded (``tokens_differ``), not raised; one that fails to compile is
+    recorded in ``errors`` and the others go on."""
+    from jaxkv.models import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True)
+    start = time.perf_counter()
+    models = {name: Llama(config, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), scan_layers=scan)
+              for name, scan in (("scan", True), ("per-layer", False))}
+    payload: dict = {"shape": dataclasses.asdict(shape), "steps": steps, "repeats": repeats,
+                     "variants": XLA_VARIANTS, "rows": [], "errors": {}, "build_s": time.perf_counter() - start}
+    for batch, prompt in cells:
+        ids = np.random.default_rng(batch * 7919 + prompt).integers(1, shape.vocab_size, (batch, prompt))
+        row: dict = {"batch": batch, "prompt": prompt, "floor": read_floor(models["scan"], shape, batch,
+                                                                            prompt + steps // 2, repeats)}
+        reference: dict = {}
+        for layout, model in models.items():
+            for variant, options in XLA_VARIANTS.items():
+                key = f"{layout} / {variant}"
+                try:
+                    run = bg.jaxkv_decode_loop(model, ids, steps, options)
+                    tokens = np.asarray(run())
+                    samples = []
+                    for _ in range(repeats):
+                        cache = run.fresh()
+                        begin = time.perf_counter()
+                        jax.block_until_ready(run.decode(run.first, cache))
+                        samples.append(time.perf_counter() - begin)
+                except Exception as error:  # noqa: BLE001 - a variant XLA refuses is a result, not the end of the run
+                    payload["errors"][f"B={batch} P={prompt} {key}"] = f"{type(error).__name__}: {error}"[:500]
+                    print(f"  B={batch} P={prompt} {key}: failed ({type(error).__name__})", flush=True)
+                    continue
+                row[key] = min(samples) / steps
+                if layout not in reference:
+                    reference[layout] = tokens
+                elif not np.array_equal(tokens, reference[layout]):
+                    row.setdefault("tokens_differ", []).append(key)
+                print(f"  B={batch} P={prompt} {key}: {row[key] * 1e3:.2f} ms per step "
+                      f"({row[key] / row['floor']:.2f}x the floor)", flush=True)
+        payload["rows"].append(row)
+    return payload
+
+
+def report_xla(payload: dict) -> None:
+    keys = [f"{layout} / {variant}" for layout in ("scan", "per-layer") for variant in payload["variants"]]
+    rows = []
+    for r in payload["rows"]:
+        for key in keys:
+            if key in r:
+                rows.append([r["batch"], r["prompt"], key, f"{r[key] * 1e3:.2f}", f"{r['floor'] * 1e3:.2f}",
+                             f"{r[key] / r['floor']:.2f}x", "differ" if key in r.get("tokens_differ", []) else "same"])
+    print_table(["B", "prompt", "layout / XLA options", "ms per step", "floor ms", "/ floor",
+                 "tokens vs layout's default"], rows)
+    for key, error in payload["errors"].items():
+        print(f"failed: {key}: {error}")
+
+
 def report(payload: dict) -> None:
     best = lambda r: min(r["jaxkv scan"], r["jaxkv per-layer"])  # noqa: E731
     rows = []

@@ -10,12 +10,15 @@
 #
 # then give the machine back.
 #   SKIP_TESTS=1 ...                              # no pytest part
-#   XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true SKIP_TESTS=1 SECTIONS=llama1b BENCH_ARGS=--no-hf-timing ...
-#                                                 # whether XLA:GPU then reads the scan's weight slices in place
-#                                                 # (the scanned 1B step was ~1 ms slower than per-layer; recorded in the JSON)
-#   SKIP_TESTS=1 SECTIONS=sweep BENCH_ARGS="--sweep-set splits --sweep-seconds 150" ...
-#                                                 # more programs per SM than the default 512 (and 2 warps):
-#                                                 # is the kernel short of memory-level parallelism?
+#   TEST_TIMEOUT=100 SECTIONS=xla,sweep BENCH_ARGS="--sweep-set splits --sweep-seconds 150" ...
+#                                                 # the next run to make (about 8 minutes: timeout_s 600):
+#                                                 # the Pallas tests compiled; section xla: the 1B step of both
+#                                                 # layouts under XLA options side by side (dynamic-slice fusion:
+#                                                 # does XLA:GPU read the scan's weight slices in place? the scanned
+#                                                 # step was ~1 ms slower than per-layer; command buffers with the
+#                                                 # loop inside: is the per-layer step's 2x its floor launch cost?);
+#                                                 # the splits sweep: more programs per SM than the default 512
+#                                                 # (and 2 warps): is the kernel short of memory-level parallelism?
 #   BENCH_ARGS=--quick ...                        # small sizes (the CPU smoke run of this script)
 #
 # 1. tests/test_pallas_gpu.py on the GPU (the kernels compiled by Triton, not interpreted),
