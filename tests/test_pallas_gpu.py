@@ -287,8 +287,6 @@ def test_vmap_over_caches_equals_each_alone():
         np.testing.assert_allclose(np.asarray(got[i]), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU every test above runs the Triton kernels")
-
 def _abstract_gpu():
     """Off a GPU, jax >= 0.11 lowers a Triton kernel only for a named abstract GPU (it reads the
     compute capability from the device kind), and an abstract mesh cannot lower the kernels'
@@ -534,6 +532,83 @@ def test_what_the_kernels_do_not_take():
                         (dict(logit_softcap=3e38), r"logit_softcap must be in \[1e-30, 1e\+30\]")]:
         with pytest.raises(ValueError, match=message):
             call(q, view(), **kw)
+
+
+def test_one_byte_buffers_of_2_to_4_gib_go_to_the_xla_loop(monkeypatch):
+    """Pallas' Triton lowering gives an operand of at most 4 GiB 32-bit element offsets: int8
+    codes (int4 pairs) of 2-4 GiB would be read from wrong addresses past element 2**31 - 1,
+    so such a view is not the kernels' (the dispatch falls back, the direct call names why);
+    at 2 GiB and above 4 GiB, and for 16-bit buffers of any size, the kernels take it.
+    Abstract arrays: nothing is allocated."""
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    sds = jax.ShapeDtypeStruct
+    batch, heads, dim = 2, 8, 128
+
+    def quantized(layers, slots, bits=8):
+        codes = sds((layers, batch, heads, slots, dim if bits == 8 else dim // 2), jnp.int8 if bits == 8 else jnp.uint8)
+        scales = sds((layers, batch, heads, slots), jnp.uint16)
+        residual = sds((batch, heads, 8, dim), jnp.bfloat16)
+        return QuantizedView(codes, codes, scales, scales, residual, residual, sds((batch, 8), jnp.int32),
+                             sds((), jnp.int32), sds((batch,), jnp.int32), bits, jnp.bfloat16, jnp.bfloat16)
+
+    q = sds((batch, 4 * heads, 1, dim), jnp.bfloat16)
+    slots = 2**31 // (32 * batch * heads * dim)  # 32 layers of it: exactly 2**31 int8 elements
+    for layers, bits, taken in [(32, 8, True), (33, 8, False), (48, 8, False), (64, 8, False), (65, 8, True),
+                                (66, 4, False), (130, 4, True)]:
+        view = quantized(layers, slots, bits)
+        why = pallas_gpu.unsupported_reason(q, view)
+        assert (why is None) == taken, (layers, bits, why)
+        assert pallas_gpu.use_pallas(q, view) == taken
+        if not taken:
+            assert why.startswith("keys ") and "32-bit offsets" in why and "XLA loop" in why
+    # 16-bit floats are stored as uint16: 2**31 elements are exactly 4 GiB, never in the range
+    big = sds((64, batch, heads, slots, dim), jnp.uint16)
+    view = ContiguousView(big, big, sds((), jnp.int32), sds((batch,), jnp.int32), jnp.bfloat16)
+    assert pallas_gpu.unsupported_reason(q, view) is None
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        pallas_attend_view(q, quantized(40, slots), q_positions=sds((batch, 1), jnp.int32))
+
+
+def test_the_triton_lowering_gives_operands_of_at_most_4_gib_32_bit_offsets():
+    """The rule ``pallas_gpu._offsets_wrap`` assumes, read off the Triton IR Pallas lowers: a
+    kernel loading 128 int8 elements at a traced offset of an operand of 2**31, 2**31 + 2**20,
+    2**32 and 2**32 + 128 bytes. If jax widens its offsets, this fails: relax the check."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    modules = []
+    original = triton_lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    def kernel(at_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(at_ref[0], 128)].astype(jnp.int32)  # an int32 output: only x is int8
+
+    def load(at, x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128,), jnp.int32),
+                              in_specs=[pl.no_block_spec, pl.no_block_spec],
+                              compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(at, x)
+
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    widths = {}
+    with _abstract_gpu():
+        for size in (2**31, 2**31 + 2**20, 2**32, 2**32 + 128):
+            modules.clear()
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", spy)
+                jax.export.export(jax.jit(load), platforms=["cuda"], disabled_checks=[triton])(
+                    jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((size,), jnp.int8))
+            (module,) = modules
+            loads = [line for line in module.splitlines() if "tt.addptr" in line and "ptr<i8>" in line]
+            assert loads, module
+            widths[size] = {"i64" if "xi64>" in line.rsplit(",", 1)[1] else "i32" for line in loads}
+    assert widths == {2**31: {"i32"}, 2**31 + 2**20: {"i32"}, 2**32: {"i32"}, 2**32 + 128: {"i64"}}, widths
+    view = jax.ShapeDtypeStruct
+    assert [pallas_gpu._offsets_wrap(view((n,), jnp.int8)) is not None for n in widths] == [False, True, True, False]
 
 
 def test_kernels_run_under_x64():

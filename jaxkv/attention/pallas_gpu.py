@@ -58,7 +58,8 @@ What applies (:func:`unsupported_reason`): :class:`~jaxkv.caches.ContiguousView`
 of two >= 16 tokens), at most 16 queries per row, float32/bfloat16/float16 queries and
 cache, head dim a power of two >= 16 (>= 32 for int4), capacity at least 16 (any size:
 a last block that would run past it is read from its last BK slots, the overlap not counted),
-``G * T <= 128``. :func:`attend_view` picks these kernels by itself only when the
+``G * T <= 128``, and no 1-byte buffer (int8/int4 codes) of 2-4 GiB (Pallas' Triton lowering
+would index it with 32-bit offsets that wrap; see :func:`_offsets_wrap`). :func:`attend_view` picks these kernels by itself only when the
 default device is a GPU (``JAXKV_PALLAS_GPU=1`` forces them wherever they apply, in
 interpret mode off a GPU; ``=0`` turns them off; the variable is read when a function is
 traced, so a function already jitted keeps the path it was traced with). On CPU they run in
@@ -174,6 +175,33 @@ def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
             return f"scale dtype {view.scale_dtype}"
     elif stored != head_dim:
         return f"keys {view.keys.shape} do not fit head_dim {head_dim}"
+    for name in view._fields:
+        if (wraps := _offsets_wrap(getattr(view, name))) is not None:
+            return f"{name} {wraps}"
+    return None
+
+
+def _offsets_wrap(array: Any) -> str | None:
+    """Why Triton would read ``array`` at wrong addresses, or None.
+
+    Pallas' Triton lowering indexes an operand of at most 2**32 bytes with 32-bit element
+    offsets (``jax._src.pallas.triton.lowering._compute_offsets_from_indices``; larger ones
+    get 64-bit offsets), and Triton's pointer arithmetic takes them as signed: an element
+    past 2**31 - 1 would be read from before the buffer's start. Only 1-byte elements (int8
+    codes, int4 pairs) can be that many in 4 GiB: a quantized cache whose stacked codes hold
+    2-4 GiB. ``tests/test_pallas_gpu.py`` checks the lowering's rule.
+    """
+    shape, dtype = getattr(array, "shape", None), getattr(array, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    elements = 1
+    for size in shape:
+        elements *= int(size)
+    nbytes = elements * jnp.dtype(dtype).itemsize
+    if elements > 2**31 and nbytes <= 2**32:
+        return (f"{jnp.dtype(dtype).name}{list(shape)} holds {elements} elements in {nbytes / 2**30:.2f} GiB: "
+                "Pallas' Triton lowering indexes an operand of at most 4 GiB with 32-bit offsets, which "
+                "would wrap past 2**31 elements (read from the wrong place), so the XLA loop takes this layer")
     return None
 
 
