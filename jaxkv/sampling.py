@@ -256,7 +256,10 @@ def _top_p_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:  # [B, 
     probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
     running = jnp.cumsum(probs, axis=-1)
     mass_before = jnp.concatenate([jnp.zeros_like(running[..., :1]), running[..., :-1]], axis=-1)
-    return mass_before < p
+    # The first token explicitly: a p below float32's smallest normal (1e-40) is flushed to 0,
+    # and 0 < 0 kept nothing (every logit -inf: token 0 drawn).
+    first = jnp.arange(sorted_logits.shape[-1]) == 0
+    return (mass_before < p) | first
 
 
 def top_p_filter(logits: jax.Array, p: float) -> jax.Array:

@@ -234,3 +234,16 @@ def test_one_beam_is_transformers_greedy_whatever_early_stopping_says(hf_pair, e
             np.testing.assert_array_equal(np.asarray(out.sequences)[0, 0, : len(want)], want)
             checked += 1
     assert checked >= 2
+
+
+def test_a_one_token_vocabulary_is_a_named_error():
+    """Each step keeps 2 * num_beams candidates of num_beams * V: with V = 1 that was lax.top_k's
+    "k argument to top_k must be no larger than size along axis" (review 56)."""
+    from flax import nnx
+
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(vocab_size=1), rngs=nnx.Rngs(0))
+    for beams in (1, 2):
+        with pytest.raises(ValueError, match=r"keeps 2 \* num_beams = .* vocabulary of 1 token"):
+            beam_search(model, np.zeros((2, 3), np.int32), 3, num_beams=beams)

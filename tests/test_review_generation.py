@@ -108,3 +108,27 @@ def test_penalties_take_numpy_reals_like_temperature():
     for bad in (True, np.bool_(True), float("nan"), np.float32("inf"), "0.5"):
         with pytest.raises(ValueError, match="presence_penalty must be a finite number"):
             SamplingConfig(presence_penalty=bad)
+
+
+def test_a_top_p_below_the_smallest_normal_float_keeps_the_most_likely_token(model):
+    """top_p is any value in (0, 1], but one below float32's smallest normal is flushed to 0
+    on XLA:CPU and 'mass before < p' was then false for every token: no token kept, and the
+    draw from all -inf logits was token 0 (generate, the engine; review 56). The most likely
+    token is kept whatever p is, as the docstring promises."""
+    from jaxkv.decoding.engine import EngineRequest, PagedEngine, _per_row_top_p
+
+    logits = jnp.asarray([[0.0, 5.0, 1.0, 2.0], [3.0, -1.0, 0.5, 2.9]], jnp.float32)
+    for p in (1e-45, np.finfo(np.float32).tiny / 2, 1e-40):
+        for kept in (top_p_filter(logits, p), _per_row_top_p(logits, jnp.full((2,), p, jnp.float32))):
+            np.testing.assert_array_equal(np.isfinite(np.asarray(kept)), [[False, True, False, False],
+                                                                           [True, False, False, False]])
+        config = SamplingConfig(temperature=1.0, top_p=p)
+        for seed in range(3):
+            assert np.asarray(sample(logits, jax.random.key(seed), config)).tolist() == [1, 0]
+    ids = np.array([[5, 6, 7, 8]], np.int32)
+    greedy = np.asarray(generate(model, ids, 4).tokens)
+    sampled = np.asarray(generate(model, ids, 4, sampling=config, key=jax.random.key(0)).tokens)
+    np.testing.assert_array_equal(sampled, greedy)
+    engine = PagedEngine(model, max_rows=1, max_length=32, num_pages=8, page_size=16, chunk_size=16)
+    (result,) = engine.run([EngineRequest([5, 6, 7, 8], 4, temperature=1.0, top_p=p)])
+    assert list(result.tokens) == greedy[0].tolist()

@@ -114,6 +114,12 @@ def _beam_search(
     logits = jnp.repeat(logits, k, axis=0)  # [B*K, V]
     cache = cache.batch_repeat_interleave(k)
     vocab = logits.shape[-1]
+    if k * vocab < keep:  # a 1-token vocabulary: lax.top_k's own error named none of this
+        raise ValueError(
+            f"beam_search: each step keeps 2 * num_beams = {keep} candidates out of num_beams * vocab_size = "
+            f"{k * vocab}; a vocabulary of {vocab} token has too few (a model with one token has one output: "
+            "use jaxkv.generate)"
+        )
     row_offset = (jnp.arange(batch, dtype=jnp.int32) * k)[:, None]
     # HF applies its processors (repetition_penalty) to each beam's log-probabilities, with
     # the beam's prompt and tokens as its history; None without a penalty.

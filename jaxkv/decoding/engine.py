@@ -231,7 +231,8 @@ def _per_row_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:  # [R, V],
     # top_p equal to the top tokens' mass it kept one token more (see sampling._top_p_keep_sorted).
     running = jnp.cumsum(sorted_probs, axis=-1)
     mass_before = jnp.concatenate([jnp.zeros_like(running[:, :1]), running[:, :-1]], axis=-1)
-    keep_sorted = mass_before < top_p[:, None]
+    # the most likely token always (a top_p below float32's smallest normal is flushed to 0)
+    keep_sorted = (mass_before < top_p[:, None]) | (jnp.arange(logits.shape[-1]) == 0)
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     # A row without top_p (p = 1) keeps every token, as generate's filter-free path does: the
     # rounded running sum can reach 1 before the tail and would drop it.
