@@ -611,6 +611,40 @@ def test_the_triton_lowering_gives_operands_of_at_most_4_gib_32_bit_offsets():
     assert [pallas_gpu._offsets_wrap(view((n,), jnp.int8)) is not None for n in widths] == [False, True, True, False]
 
 
+def test_a_traced_layer_outside_the_stack_is_nan_never_another_layer():
+    """The direct attention functions with a layer index traced under jit and outside [0, L):
+    the XLA loop's slice clamped it onto a real layer (layer L - 1's attention came out, or
+    layer 0's for -1) and the Pallas kernels would read outside the buffers on a GPU; now the
+    output is NaN on both (the CPU kernel raises at run time, as before). Inside the range the
+    traced index gives the concrete one's answer. Views of real caches, each layer different."""
+    from jaxkv.attention.blockwise import blockwise_attend, paged_blockwise_attend, quantized_blockwise_attend
+    from jaxkv.caches import PagedCache, StaticCache
+
+    rng = np.random.default_rng(5)
+    sizes = dict(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=16, max_length=32)
+    q = jnp.asarray(rng.standard_normal((2, 2, 1, 16)), jnp.float32)
+    q_pos = jnp.asarray([[4], [2]], jnp.int32)
+    xla = {
+        "static": lambda v: blockwise_attend(q, v.keys, v.values, layer_idx=v.layer, q_positions=q_pos,
+                                             kv_lengths=v.lengths, implementation="xla", kv_dtype=v.dtype),
+        "paged": lambda v: paged_blockwise_attend(q, v, q_positions=q_pos, implementation="xla"),
+        "quantized": lambda v: quantized_blockwise_attend(q, v, q_positions=q_pos, implementation="xla"),
+    }
+    for name, cache in {"static": StaticCache.init(**sizes), "paged": PagedCache.init(**sizes, page_size=16),
+                        "quantized": QuantizedCache.init(**sizes, residual_length=2)}.items():
+        for layer in range(2):
+            k = jnp.asarray(rng.standard_normal((2, 1, 5, 16)), jnp.float32)
+            cache, view = cache.write(k, k * 2 + layer, layer, num_new=jnp.asarray([5, 3], jnp.int32))
+        paths = {"xla": xla[name], "pallas": lambda v: pallas_attend_view(q, v, q_positions=q_pos, interpret=INTERPRET)}
+        for path, attend in paths.items():
+            traced = jax.jit(lambda i: attend(view._replace(layer=i)))
+            for layer in (0, 1):
+                np.testing.assert_allclose(np.asarray(traced(jnp.int32(layer))), np.asarray(attend(view._replace(layer=layer))),
+                                           rtol=1e-6, atol=1e-6, err_msg=f"{name} {path} {layer}")
+            for bad in (2, -1, 7):
+                assert np.isnan(np.asarray(traced(jnp.int32(bad)))).all(), (name, path, bad)
+
+
 def test_kernels_run_under_x64():
     """Under jax_enable_x64 a Python int constant is int64 and a float float64: the kernels'
     block arithmetic (lax.div of int32 by int64) and the residual check's cond (int64 against

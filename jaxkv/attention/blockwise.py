@@ -156,16 +156,15 @@ def blockwise_attend(
         )
     if scale is None:
         scale = head_dim**-0.5
-    _check_layer(layer_idx, keys.shape[0], "blockwise_attend")
-    args = (queries, keys, values, jnp.asarray(layer_idx, jnp.int32), q_positions.astype(jnp.int32),
-            kv_lengths.astype(jnp.int32))
+    layer_idx, layer_ok = _checked_layer(layer_idx, keys.shape[0], "blockwise_attend")
+    args = (queries, keys, values, layer_idx, q_positions.astype(jnp.int32), kv_lengths.astype(jnp.int32))
     xla = partial(
         _xla_loop, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, block_size=block_size,
         kv_dtype=kv_dtype,
     )
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     why_not = None if implementation == "xla" else _kernel_unsuitable(queries, kv_dtype)
-    return _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)
+    return _nan_unless(layer_ok, _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale))
 
 
 def _check_layer(layer: Any, num_layers: int, who: str) -> None:
@@ -179,6 +178,25 @@ def _check_layer(layer: Any, num_layers: int, who: str) -> None:
     if value.ndim or not np.issubdtype(value.dtype, np.integer) or not 0 <= int(value) < num_layers:
         raise ValueError(f"{who}: layer index {layer!r} is outside [0, {num_layers}) (the stacked buffers hold "
                          f"{num_layers} layers).")
+
+
+def _checked_layer(layer: Any, num_layers: int, who: str) -> tuple[jax.Array, jax.Array | None]:
+    """``(layer as int32, ok)``. A concrete bad layer is :func:`_check_layer`'s ValueError
+    (``ok`` None). For a traced one ``ok`` says whether it is inside ``[0, L)``; the caller's
+    output is NaN where it is not (:func:`_nan_unless`): the XLA loop's slice clamps it onto
+    a real layer (that layer's attention came out, silently), the CPU kernel raises at run
+    time, and the Pallas kernels read layer 0 instead (a GPU kernel would read outside the
+    buffers). A cache's view never holds one: a bad traced layer there is layer 0 with no
+    tokens."""
+    _check_layer(layer, num_layers, who)
+    if not isinstance(layer, jax.core.Tracer):
+        return jnp.asarray(layer, jnp.int32), None
+    layer = layer.astype(jnp.int32)
+    return layer, (layer >= 0) & (layer < num_layers)
+
+
+def _nan_unless(ok: jax.Array | None, out: jax.Array) -> jax.Array:
+    return out if ok is None else jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def _check_implementation(who: str, implementation: str) -> None:
@@ -629,9 +647,9 @@ def quantized_blockwise_attend(
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
     _check_implementation("quantized_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
-    _check_layer(view.layer, view.keys.shape[0], "quantized_blockwise_attend")
+    layer, layer_ok = _checked_layer(view.layer, view.keys.shape[0], "quantized_blockwise_attend")
     args = (queries, view.keys, view.values, view.key_scales, view.value_scales, view.residual_keys,
-            view.residual_values, view.residual_positions.astype(jnp.int32), jnp.asarray(view.layer, jnp.int32),
+            view.residual_values, view.residual_positions.astype(jnp.int32), layer,
             q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32))
 
     def xla(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions, layer,
@@ -645,7 +663,8 @@ def quantized_blockwise_attend(
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
                      bits=view.bits)
     why_not = None if implementation == "xla" else _quantized_kernel_unsuitable(queries, view)
-    return _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)
+    return _nan_unless(layer_ok, _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args,
+                                         scale=scale))
 
 
 def _quantized_kernel_unsuitable(queries: jax.Array, view) -> str | None:
@@ -747,7 +766,7 @@ def paged_blockwise_attend(
     _check_implementation("paged_blockwise_attend", implementation)
     scale = head_dim**-0.5 if scale is None else scale
     scales = (view.key_scales, view.value_scales) if view.bits else ()
-    _check_layer(view.layer, view.keys.shape[0], "paged_blockwise_attend")
+    layer, layer_ok = _checked_layer(view.layer, view.keys.shape[0], "paged_blockwise_attend")
     table = view.block_table
     if table.dtype != jnp.int32:  # e.g. int64 under x64: the kernel reads int32
         # Ids a cast would wrap (past int32's range: invalid page ids anyway) read as unmapped
@@ -760,8 +779,8 @@ def paged_blockwise_attend(
         if info.min < -_INT32_MAX - 1:
             wraps = wraps | (table < jnp.asarray(-1, table.dtype))
         table = jnp.where(wraps, -1, table.astype(jnp.int32))
-    args = (queries, view.keys, view.values, *scales, jnp.asarray(view.layer, jnp.int32),
-            q_positions.astype(jnp.int32), view.lengths.astype(jnp.int32), table)
+    args = (queries, view.keys, view.values, *scales, layer, q_positions.astype(jnp.int32),
+            view.lengths.astype(jnp.int32), table)
 
     def xla(queries, keys, values, *rest):
         if view.bits:
@@ -796,4 +815,5 @@ def paged_blockwise_attend(
             why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True,
                      bits=view.bits or 0)
-    return _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale)
+    return _nan_unless(layer_ok, _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args,
+                                         scale=scale))

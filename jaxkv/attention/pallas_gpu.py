@@ -94,7 +94,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.attention.blockwise import check_int_inputs, check_softcap
 from jaxkv.attention.blockwise import (
-    _check_layer,
+    _checked_layer,
+    _nan_unless,
     _default_platform,
     _local_axes,
     blockwise_attend,
@@ -259,7 +260,9 @@ def pallas_attend_view(
     why = unsupported_reason(queries, view)
     if why is not None:
         raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
-    _check_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
+    layer, layer_ok = _checked_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
+    if layer_ok is not None:  # a traced layer outside [0, L): layer 0 is read, the output is NaN
+        layer = jnp.where(layer_ok, layer, 0)
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     paged = isinstance(view, PagedView)
     num_slots = view.num_slots if paged else view.keys.shape[3]
@@ -302,7 +305,7 @@ def pallas_attend_view(
                              f"got {value!r}.")
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
                   num_stages=num_stages)
-    view = view._replace(layer=jnp.asarray(view.layer, jnp.int32), lengths=view.lengths.astype(jnp.int32))
+    view = view._replace(layer=layer, lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
     kernel = _sharded_kernel(type(view), view_static, tuple(static.items()))
@@ -321,7 +324,7 @@ def pallas_attend_view(
 
         return jax.jvp(xla, primals, tangents)
 
-    return attend(queries, q_positions.astype(jnp.int32), *[getattr(view, name) for name in names])
+    return _nan_unless(layer_ok, attend(queries, q_positions.astype(jnp.int32), *[getattr(view, name) for name in names]))
 
 
 def _kernel_path(queries, view, q_positions, options, floats, **static):
