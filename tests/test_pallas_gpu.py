@@ -375,6 +375,28 @@ def test_paged_matches_reference():
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+def test_a_page_id_past_the_pool_reads_the_last_page_as_the_other_paths_do():
+    """A block table entry past the pool (only a hand-built view holds one) is clamped into it
+    by the XLA loop's gather and the CPU kernel; the Pallas kernel clamps it the same way
+    rather than read outside the pool. (Interpret mode clamps its reads by itself: this test
+    tells the paths apart only when it runs on a GPU.)"""
+    from jaxkv.attention.blockwise import paged_blockwise_attend
+
+    rng = np.random.default_rng(6)
+    pool = jnp.asarray(rng.standard_normal((2, LAYERS, 5, HEADS, PAGE, DIM)), jnp.float32)
+    table = jnp.asarray([[3, 9], [0, 4]], jnp.int32)  # 9: past the 5 pages
+    lengths = jnp.asarray([2 * PAGE, PAGE + 3], jnp.int32)
+    empty = jnp.zeros((LAYERS, 5, HEADS, 0))
+    view = PagedView(pool[0], pool[1], empty, empty, table, jnp.int32(1), lengths, None, jnp.float32, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 2 * HEADS, 1, DIM)), jnp.float32)
+    q_pos = jnp.asarray([[2 * PAGE - 1], [PAGE + 2]], jnp.int32)
+    want = paged_blockwise_attend(q, view, q_positions=q_pos, implementation="xla")
+    clamped = view._replace(block_table=jnp.minimum(table, 4))
+    np.testing.assert_allclose(np.asarray(want), np.asarray(
+        paged_blockwise_attend(q, clamped, q_positions=q_pos, implementation="xla")), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(run(q, view, q_pos)), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_a_capacity_that_is_not_a_multiple_of_the_block():
     """generate's capacity is prompt + new tokens, any number: the last block is read from
     the buffer's last BK slots and the slots it shares with the block before are counted

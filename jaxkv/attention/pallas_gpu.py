@@ -504,7 +504,10 @@ def _split_kernel(
         """Keys and values of slots [off, off + BK) as products' operands, their scales, and
         which value rows are non-finite."""
         if paged:  # a block is one page, found through the row's block table
-            at = (layer, jnp.maximum(table_ref[b, off // block_k], 0), h, pl.ds(0, block_k))
+            # clamped into the pool as the XLA loop's gather and the CPU kernel clamp (a GPU
+            # kernel would read outside it); jaxkv's own tables hold -1 or a pool page
+            page = jnp.minimum(jnp.maximum(table_ref[b, off // block_k], 0), k_ref.shape[1] - 1)
+            at = (layer, page, h, pl.ds(0, block_k))
         else:  # a last block past the capacity is read from S - BK (see ``body``)
             at = (layer, b, h, pl.ds(jnp.minimum(off, num_slots - block_k), block_k))
         keys, values = k_ref[(*at, slice(None))], v_ref[(*at, slice(None))]
