@@ -304,7 +304,7 @@ def pallas_attend_view(
             raise ValueError(f"pallas_attend_view: {name} must be an int in [1, 16] (warps: a power of two), "
                              f"got {value!r}.")
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
-                  num_stages=num_stages)
+                  num_stages=num_stages, capped=logit_softcap is not None)
     view = view._replace(layer=layer, lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
@@ -474,6 +474,7 @@ def _split_kernel(
     scale_dtype: Any,
     residual: bool,
     paged: bool,
+    capped: bool,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = ints_ref[0], ints_ref[1]
@@ -514,10 +515,13 @@ def _split_kernel(
         if bits is None:
             keys, values = (x if x.dtype == stored_dtype else jax.lax.bitcast_convert_type(x, stored_dtype)
                             for x in (keys, values))
+            # Non-finite value elements are zeroed (0 * NaN never enters the product) and
+            # marked [BK, D]; a visible slot's marks reach its queries through a product
+            # (``body``), not a per-block reduction over D (the broadcast of a [BK] flag
+            # against the [M, BK] logits cost a layout conversion through shared memory).
             finite = jnp.isfinite(values.astype(jnp.float32))
-            bad_value = jnp.min(finite.astype(jnp.float32), axis=1) < 1.0  # [BK]
             values = jnp.where(finite, values, jnp.zeros((), values.dtype))
-            return [keys.astype(compute_dtype)], [values.astype(value_dtype)], None, None, bad_value
+            return [keys.astype(compute_dtype)], [values.astype(value_dtype)], None, None, ~finite
         k_scale, v_scale = (s if s.dtype == scale_dtype else jax.lax.bitcast_convert_type(s, scale_dtype)
                             for s in (ks_ref[at], vs_ref[at]))
         k_scale, v_scale = k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)
@@ -532,7 +536,7 @@ def _split_kernel(
                 k_scale, v_scale, bad_value)
 
     def body(i, carry):
-        running_max, running_sum, flag, *acc = carry
+        running_max, running_sum, marks, *acc = carry
         off = start + i * block_k
         # A capacity that is not a multiple of BK: the last block is the buffer's last BK
         # slots, and the slots below ``off`` in it (the previous block's) are not counted.
@@ -555,13 +559,20 @@ def _split_kernel(
             near = (off < res_hi) & (off + block_k > res_lo)
             skip = jax.lax.cond(near, covered, lambda: jnp.zeros((block_k,), jnp.int32))
             visible = visible & (skip[None, :] == 0)
-        bad = ~jnp.isfinite(raw) | bad_value[None, :]
-        flag = jnp.maximum(flag, jnp.max(jnp.where(visible & bad, jnp.float32(1), jnp.float32(0)), axis=1))
-        capped = jnp.where(softcap > 0, softcap * jnp.tanh(raw / softcap), raw)
-        logits = jnp.where(visible & ~bad, capped, _NEG_INF)
+        # A visible slot with a non-finite raw logit (or, quantized, value scale): its
+        # weight is NaN, so the running sum (the split's ``l``) is NaN from then on.
+        bad = ~jnp.isfinite(raw) if bits is None else ~jnp.isfinite(raw) | bad_value[None, :]
+        if bits is None:  # float values: marks [M, D] += visible [M, BK] @ non-finite elements [BK, D]
+            marks = marks + jax.lax.dot_general(
+                visible.astype(jnp.bfloat16), bad_value.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)
+        if capped:  # a static switch: without a soft cap no tanh is computed
+            raw = softcap * jnp.tanh(raw / softcap)
+        logits = jnp.where(visible & ~bad, raw, _NEG_INF)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         safe_max = jnp.where(new_max > _NEG_INF, new_max, 0.0)
         weights = jnp.exp(logits - safe_max[:, None])  # exactly 0 where not seen
+        weights = jnp.where(visible & bad, jnp.nan, weights)
         correction = jnp.exp(running_max - safe_max)  # 0 while nothing was seen
         running_sum = running_sum * correction + jnp.sum(weights, axis=1)
         if v_scale is not None:
@@ -570,15 +581,19 @@ def _split_kernel(
         acc = [a * correction[:, None] + jax.lax.dot_general(
             weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision, preferred_element_type=jnp.float32)
             for a, vp in zip(acc, values)]
-        return (new_max, running_sum, flag, *acc)
+        return (new_max, running_sum, marks, *acc)
 
-    carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows,), jnp.float32), *[jnp.zeros((rows, part), jnp.float32) for _ in range(parts)])
-    running_max, running_sum, flag, *acc = jax.lax.fori_loop(jnp.int32(0), num_blocks.astype(jnp.int32), body, carry)
+    marks = jnp.zeros((rows, width) if bits is None else (rows,), jnp.float32)
+    carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32), marks,
+             *[jnp.zeros((rows, part), jnp.float32) for _ in range(parts)])
+    running_max, running_sum, marks, *acc = jax.lax.fori_loop(
+        jnp.int32(0), num_blocks.astype(jnp.int32), body, carry)
     for i, a in enumerate(acc):
         acc_ref[:, pl.ds(i * part, part)] = a
     m_ref[...] = running_max
-    l_ref[...] = jnp.where(flag > 0, jnp.nan, running_sum)
+    if bits is None:  # once per program: did a visible slot hold a non-finite value element?
+        running_sum = jnp.where(jnp.max(marks, axis=1) > 0, jnp.nan, running_sum)
+    l_ref[...] = running_sum
 
 
 # Interpret mode is how the kernels are tested off a GPU: the emulated grid is a small while
@@ -677,7 +692,7 @@ def _compute_dtype(queries, kv_dtype):
 
 
 def _contiguous(queries, keys, values, layer, lengths, q_positions, options, floats, *, kv_dtype, num_splits, block_k,
-                interpret, num_warps, num_stages):
+                interpret, num_warps, num_stages, capped):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -687,7 +702,7 @@ def _contiguous(queries, keys, values, layer, lengths, q_positions, options, flo
         q, qpos, bounds, none, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
-        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False,
+        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False, capped=capped,
     )
     return _finish(_merge(acc, running_max, running_sum), queries, used)
 
@@ -715,7 +730,7 @@ def _dense_partial(q, keys, values, positions, used, qpos, window, floats):
 
 def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions,
                layer, lengths, q_positions, options, floats, *, bits, kv_dtype, scale_dtype, num_splits, block_k,
-               interpret, num_warps, num_stages):
+               interpret, num_warps, num_stages, capped):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -735,6 +750,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=None, bits=bits, scale_dtype=scale_dtype, residual=bool(num_residual), paged=False,
+        capped=capped,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
@@ -747,7 +763,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
 
 
 def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, lengths, q_positions, options, floats,
-           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages):
+           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages, capped):
     num_kv_heads, num_slots = keys.shape[2], block_table.shape[1] * block_k
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -760,7 +776,7 @@ def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, 
         jnp.concatenate([layer[None], options]), floats, keys, values, key_scales, value_scales,
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
-        stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True,
+        stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True, capped=capped,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
