@@ -321,16 +321,18 @@ def kernel_sweep(*, layers, tokens, cases, configs, repeats, budget_s):
     print(f"\nS. Kernel launch options, 1 token x {layers} layers x {tokens} tokens, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={HEAD_DIM}" + (" (INTERPRET mode: not a speed)" if interpret else ""))
     rows = [[r["kind"], r["batch"], r["block_k"], r["num_splits"] or "auto", r["num_warps"], r["num_stages"],
-             f"{r['sum_gbs']:.0f}", f"{r['gbs']:.0f}" if "gbs" in r else "-",
+             r.get("f32_precision", "highest"), f"{r['sum_gbs']:.0f}", f"{r['gbs']:.0f}" if "gbs" in r else "-",
              f"{r['gbs'] / r['sum_gbs']:.0%}" if "gbs" in r else r.get("error", "-")[:40]] for r in results]
-    print_table(["cache", "batch", "block_k", "splits", "warps", "stages", "sum GB/s", "kernel GB/s", "% of sum"], rows)
+    print_table(["cache", "batch", "block_k", "splits", "warps", "stages", "f32 products", "sum GB/s", "kernel GB/s",
+                 "% of sum"], rows)
     best = {}
     for r in results:
         if "gbs" in r and r["gbs"] > best.get((r["kind"], r["batch"]), {}).get("gbs", 0):
             best[(r["kind"], r["batch"])] = r
     for (kind, batch), r in best.items():
         print(f"   best {kind} B={batch}: block_k {r['block_k']}, splits {r['num_splits'] or 'auto'}, warps "
-              f"{r['num_warps']}, stages {r['num_stages']}: {r['gbs'] / r['sum_gbs']:.0%} of sum")
+              f"{r['num_warps']}, stages {r['num_stages']}, f32 products {r.get('f32_precision', 'highest')}: "
+              f"{r['gbs'] / r['sum_gbs']:.0%} of sum")
     return {"rows": results, "configs_run": len(results), "budget_s": budget_s}
 
 
@@ -340,9 +342,15 @@ def sweep_configs(quick, which="launch"):
     kv heads, 8 at batch 8), and 2 warps for the 16 padded query rows: whether the kernel is
     short of memory-level parallelism (programs in flight per SM) rather than of bandwidth."""
     if quick:
-        return [dict(block_k=b, num_splits=None, num_warps=4, num_stages=2) for b in (16, 32)]
+        return ([dict(block_k=b, num_splits=None, num_warps=4, num_stages=2) for b in (16, 32)]
+                + [dict(block_k=16, num_splits=None, num_warps=4, num_stages=2, f32_precision="tf32x3")])
     if which == "splits":
-        return ([dict(block_k=64, num_splits=None, num_warps=4, num_stages=2)]
+        # first (the budget may cut the list): the default; 3 stages (with 2, Triton waits for the
+        # next block's copy before any work overlaps it: ``cp.async.wait_group 0`` in
+        # scripts/kernel_ptx.py's PTX); float32 products as three TF32 tensor-core products
+        return ([dict(block_k=64, num_splits=None, num_warps=4, num_stages=2),
+                 dict(block_k=64, num_splits=None, num_warps=4, num_stages=3),
+                 dict(block_k=64, num_splits=None, num_warps=4, num_stages=2, f32_precision="tf32x3")]
                 + [dict(block_k=64, num_splits=n, num_warps=4, num_stages=2) for n in (32, 128, 256, 512)]
                 + [dict(block_k=64, num_splits=n, num_warps=2, num_stages=2) for n in (None, 128, 256)]
                 + [dict(block_k=32, num_splits=n, num_warps=2, num_stages=3) for n in (256, 512)])
@@ -412,7 +420,7 @@ def main() -> None:
         bg.report(table)
         return table
 
-    sweep = dict(layers=2, tokens=1024, cases=[("bf16", 1)], repeats=3) if args.quick else dict(
+    sweep = dict(layers=2, tokens=1024, cases=[("bf16", 1), ("f32", 1)], repeats=3) if args.quick else dict(
         layers=8, tokens=32768, cases=[("bf16", 1), ("bf16", 8), ("f32", 1), ("int8", 8)], repeats=10)
     run = {
         "sweep": lambda: kernel_sweep(configs=sweep_configs(args.quick, args.sweep_set), budget_s=args.sweep_seconds, **sweep),

@@ -12,7 +12,8 @@ XLA compiles the same Triton IR with its own copy of Triton's passes, so counts 
 proxy for what runs on the device, not a measurement; ``benchmarks/bench_device.py`` times it.
 
     pip install triton==3.6.0            # the compiler only (no torch); any machine
-    python scripts/kernel_ptx.py [--kind bf16|f32|int8] [--softcap] [--warps 4] [--stages 2] [--out DIR]
+    python scripts/kernel_ptx.py [--kind bf16|f32|int8] [--softcap] [--f32-precision highest|tf32x3]
+                                 [--warps 4] [--stages 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
-def triton_ir(kind: str, softcap: bool, shape=(8, 1, 8, 32768, 64)) -> str:
+def triton_ir(kind: str, softcap: bool, f32_precision: str = "highest", shape=(8, 1, 8, 32768, 64)) -> str:
     """The kernel's Triton IR (text) for a bench_device-shaped call: L, B, H, S, D; G = 4."""
     from jax._src.pallas.triton import lowering
 
@@ -42,7 +43,7 @@ def triton_ir(kind: str, softcap: bool, shape=(8, 1, 8, 32768, 64)) -> str:
     q_dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
     q, pos = sds((batch, 4 * heads, 1, dim), q_dtype), sds((batch, 1), jnp.int32)
     lengths, layer = sds((batch,), jnp.int32), sds((), jnp.int32)
-    options = dict(logit_softcap=30.0 if softcap else None)
+    options = dict(logit_softcap=30.0 if softcap else None, f32_precision=f32_precision)
     if kind in ("bf16", "f32"):
         stored = jnp.uint16 if kind == "bf16" else jnp.float32
         arrays = [sds((layers, batch, heads, slots, dim), stored)] * 2
@@ -131,11 +132,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="bf16", help="bf16, f32 or int8")
     parser.add_argument("--softcap", action="store_true", help="with a logit soft cap")
+    parser.add_argument("--f32-precision", default="highest", help="highest or tf32x3 (pallas_attend_view's option)")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--out", default=None, help="also write the Triton IR and the PTX here")
     args = parser.parse_args()
-    ir = triton_ir(args.kind, args.softcap)
+    ir = triton_ir(args.kind, args.softcap, args.f32_precision)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(args.out or scratch) / f"decode_{args.kind}{'_softcap' if args.softcap else ''}.ttir"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +149,7 @@ def main() -> None:
     kinds = collections.Counter((text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
                                 for text in loop)
     waits = sorted(set(re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)))
-    print(f"{args.kind}{' soft cap' if args.softcap else ''}, {args.warps} warps, {args.stages} stages: "
+    print(f"{args.kind}{' soft cap' if args.softcap else ''}, f32 products {args.f32_precision}, {args.warps} warps, {args.stages} stages: "
           f"block loop {len(loop)} PTX instructions, shared memory {shared} bytes, cp.async.wait_group {waits}")
     print("  " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
 

@@ -298,7 +298,7 @@ def _abstract_gpu():
         pytest.skip("jax >= 0.11 lowers Triton kernels only with a GPU present")
     return contextlib.nullcontext()
 
-@pytest.mark.parametrize("kind", ["bf16", "int4", "paged int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int4", "paged int8", "f32 tf32x3"])
 def test_kernels_lower_through_triton(kind):
     """Off a GPU, the Triton lowering still runs (exported for CUDA): every value in the
     kernel is a tile Triton takes (power-of-two shapes, supported ops). PTX compilation and
@@ -315,6 +315,13 @@ def test_kernels_lower_through_triton(kind):
         def attend(q, pos, k, v, lengths, layer):
             return pallas_attend_view(q, ContiguousView(k, v, layer, lengths, jnp.bfloat16), q_positions=pos,
                                       sliding_window=100, logit_softcap=30.0)
+    elif kind == "f32 tf32x3":  # float32 products as TF32 x 3 (not in interpret mode: XLA:CPU has no TF32)
+        q = sds(q.shape, jnp.float32)
+        buffers = [sds((2, batch, heads, slots, dim), jnp.float32)] * 2
+
+        def attend(q, pos, k, v, lengths, layer):
+            return pallas_attend_view(q, ContiguousView(k, v, layer, lengths, jnp.float32), q_positions=pos,
+                                      f32_precision="tf32x3")
     elif kind == "paged int8":
         buffers = ([sds((2, 9, heads, 16, dim), jnp.int8)] * 2 + [sds((2, 9, heads, 16), jnp.uint16)] * 2
                    + [sds((batch, slots // 16), jnp.int32)])
@@ -332,11 +339,26 @@ def test_kernels_lower_through_triton(kind):
             view = QuantizedView(*arrays, layer, lengths, 4, jnp.bfloat16, jnp.bfloat16)
             return pallas_attend_view(q, view, q_positions=pos)
 
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    modules = []
+    original = triton_lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with _abstract_gpu():
+    with _abstract_gpu(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", spy)
         exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])(
             q, pos, *buffers, lengths, layer)
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    (module,) = modules
+    # both products of the block loop take the requested precision (the marks' 0/1 product is bf16)
+    assert module.count("inputPrecision = tf32x3") == (2 if kind == "f32 tf32x3" else 0)
+    assert ("tt.extern_elementwise" in module and "tanh" in module) == (kind == "bf16")  # soft cap: tanh only then
 
 
 # ---------------------------------------------------------------- paged views
@@ -547,6 +569,7 @@ def test_what_the_kernels_do_not_take():
             call(bad_q, bad_view)
         assert not pallas_gpu.use_pallas(bad_q, bad_view)
     for kw, message in [(dict(num_splits=5, block_k=16), r"num_splits must be an int in \[1, 4\]"),
+                        (dict(f32_precision="tf32"), "f32_precision must be 'highest' or 'tf32x3'"),
                         (dict(block_k=8), "block_k must be a power of two >= 16"),
                         (dict(sliding_window=0), "sliding_window must be a positive int"),
                         (dict(logit_softcap=-1.0), r"logit_softcap must be in \[1e-30, 1e\+30\]"),

@@ -219,6 +219,7 @@ def pallas_attend_view(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    f32_precision: str = "highest",
 ) -> jax.Array:  # [B, Hq, T, D]
     """Attention of new queries over one layer's view with the Pallas split-K kernels.
 
@@ -244,6 +245,12 @@ def pallas_attend_view(
             view's block is its page.
         num_warps, num_stages: Triton's launch options for the kernel (warps per program,
             software-pipelining depth of the block loop); ignored in interpret mode.
+        f32_precision: how float32 operands are multiplied: ``"highest"`` (IEEE float32
+            products, which Triton runs on the FMA units: ~1100 of the ~2500 PTX
+            instructions of a float32 block, ``scripts/kernel_ptx.py``) or ``"tf32x3"``
+            (three TF32 tensor-core products per pair, ~float32 accuracy: 2^-21 relative
+            per product rather than 2^-24; not measured on a GPU yet, hence not the
+            default). Interpret mode multiplies in float32 for both (XLA:CPU has no TF32).
 
     Returns:
         [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
@@ -303,8 +310,11 @@ def pallas_attend_view(
         if not isinstance(value, int) or not 1 <= value <= 16 or (name == "num_warps" and value & (value - 1)):
             raise ValueError(f"pallas_attend_view: {name} must be an int in [1, 16] (warps: a power of two), "
                              f"got {value!r}.")
+    if f32_precision not in ("highest", "tf32x3"):
+        raise ValueError(f"pallas_attend_view: f32_precision must be 'highest' or 'tf32x3', got {f32_precision!r}.")
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
-                  num_stages=num_stages, capped=logit_softcap is not None)
+                  num_stages=num_stages, capped=logit_softcap is not None,
+                  tf32x3=f32_precision == "tf32x3" and not interpret)
     view = view._replace(layer=layer, lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
@@ -475,6 +485,7 @@ def _split_kernel(
     residual: bool,
     paged: bool,
     capped: bool,
+    tf32x3: bool,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = ints_ref[0], ints_ref[1]
@@ -495,8 +506,10 @@ def _split_kernel(
     q_parts = [q_ref[:, pl.ds(i * part, part)].astype(compute_dtype) for i in range(parts)]
     # Triton runs a float32 dot at TF32 by default (10-bit mantissas: errors near 1e-3);
     # float32 operands are multiplied in full precision, as the float64 reference expects.
-    qk_precision = jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
-    pv_precision = jax.lax.Precision.HIGHEST if jnp.dtype(value_dtype) == jnp.float32 else None
+    # (``tf32x3``: three TF32 tensor-core products per pair instead, see ``f32_precision``.)
+    f32 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if tf32x3 else jax.lax.Precision.HIGHEST
+    qk_precision = f32 if jnp.dtype(compute_dtype) == jnp.float32 else None
+    pv_precision = f32 if jnp.dtype(value_dtype) == jnp.float32 else None
     if residual:
         rpos = rpos_ref[b, :]  # [R']
         res_lo, res_hi = bounds_ref[b, 3], bounds_ref[b, 4]
@@ -692,7 +705,7 @@ def _compute_dtype(queries, kv_dtype):
 
 
 def _contiguous(queries, keys, values, layer, lengths, q_positions, options, floats, *, kv_dtype, num_splits, block_k,
-                interpret, num_warps, num_stages, capped):
+                interpret, num_warps, num_stages, capped, tf32x3):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -702,7 +715,7 @@ def _contiguous(queries, keys, values, layer, lengths, q_positions, options, flo
         q, qpos, bounds, none, none, jnp.concatenate([layer[None], options]), floats, keys, values, none, none,
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
-        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False, capped=capped,
+        stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False, capped=capped, tf32x3=tf32x3,
     )
     return _finish(_merge(acc, running_max, running_sum), queries, used)
 
@@ -730,7 +743,7 @@ def _dense_partial(q, keys, values, positions, used, qpos, window, floats):
 
 def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions,
                layer, lengths, q_positions, options, floats, *, bits, kv_dtype, scale_dtype, num_splits, block_k,
-               interpret, num_warps, num_stages, capped):
+               interpret, num_warps, num_stages, capped, tf32x3):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -750,7 +763,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=None, bits=bits, scale_dtype=scale_dtype, residual=bool(num_residual), paged=False,
-        capped=capped,
+        capped=capped, tf32x3=tf32x3,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
@@ -763,7 +776,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
 
 
 def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, lengths, q_positions, options, floats,
-           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages, capped):
+           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages, capped, tf32x3):
     num_kv_heads, num_slots = keys.shape[2], block_table.shape[1] * block_k
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -777,6 +790,7 @@ def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, 
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True, capped=capped,
+        tf32x3=tf32x3,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
