@@ -8,6 +8,9 @@ the block loop (the basic blocks of the PTX's inner loop) by kind, with the pipe
 compiler chose (``cp.async.wait_group N``: with N = 0 the next block's copy is waited for
 before any work overlaps it).
 
+An older kernel: ``git show REV:jaxkv/attention/pallas_gpu.py > jaxkv/attention/pallas_gpu.py``,
+run this, ``git checkout jaxkv/attention/pallas_gpu.py``.
+
 XLA compiles the same Triton IR with its own copy of Triton's passes, so counts here are a
 proxy for what runs on the device, not a measurement; ``benchmarks/bench_device.py`` times it.
 
@@ -43,7 +46,9 @@ def triton_ir(kind: str, softcap: bool, f32_precision: str = "highest", shape=(8
     q_dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
     q, pos = sds((batch, 4 * heads, 1, dim), q_dtype), sds((batch, 1), jnp.int32)
     lengths, layer = sds((batch,), jnp.int32), sds((), jnp.int32)
-    options = dict(logit_softcap=30.0 if softcap else None, f32_precision=f32_precision)
+    options = dict(logit_softcap=30.0 if softcap else None)
+    if f32_precision != "highest":  # only then: the kernel of an older commit has no such option
+        options["f32_precision"] = f32_precision
     if kind in ("bf16", "f32"):
         stored = jnp.uint16 if kind == "bf16" else jnp.float32
         arrays = [sds((layers, batch, heads, slots, dim), stored)] * 2
