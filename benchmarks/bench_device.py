@@ -321,10 +321,11 @@ def kernel_sweep(*, layers, tokens, cases, configs, repeats, budget_s):
     print(f"\nS. Kernel launch options, 1 token x {layers} layers x {tokens} tokens, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={HEAD_DIM}" + (" (INTERPRET mode: not a speed)" if interpret else ""))
     rows = [[r["kind"], r["batch"], r["block_k"], r["num_splits"] or "auto", r["num_warps"], r["num_stages"],
-             r.get("f32_precision", "highest"), f"{r['sum_gbs']:.0f}", f"{r['gbs']:.0f}" if "gbs" in r else "-",
+             r.get("f32_precision", "highest") + ("" if r.get("full_blocks", True) else ", all masked"),
+             f"{r['sum_gbs']:.0f}", f"{r['gbs']:.0f}" if "gbs" in r else "-",
              f"{r['gbs'] / r['sum_gbs']:.0%}" if "gbs" in r else r.get("error", "-")[:40]] for r in results]
-    print_table(["cache", "batch", "block_k", "splits", "warps", "stages", "f32 products", "sum GB/s", "kernel GB/s",
-                 "% of sum"], rows)
+    print_table(["cache", "batch", "block_k", "splits", "warps", "stages", "f32 products / blocks", "sum GB/s",
+                 "kernel GB/s", "% of sum"], rows)
     best = {}
     for r in results:
         if "gbs" in r and r["gbs"] > best.get((r["kind"], r["batch"]), {}).get("gbs", 0):
@@ -345,10 +346,12 @@ def sweep_configs(quick, which="launch"):
         return ([dict(block_k=b, num_splits=None, num_warps=4, num_stages=2) for b in (16, 32)]
                 + [dict(block_k=16, num_splits=None, num_warps=4, num_stages=2, f32_precision="tf32x3")])
     if which == "splits":
-        # first (the budget may cut the list): the default; 3 stages (with 2, Triton waits for the
+        # first (the budget may cut the list): the default; every block masked (the kernel
+        # before 2026-12-05's whole-block loop); 3 stages (with 2, Triton waits for the
         # next block's copy before any work overlaps it: ``cp.async.wait_group 0`` in
         # scripts/kernel_ptx.py's PTX); float32 products as three TF32 tensor-core products
         return ([dict(block_k=64, num_splits=None, num_warps=4, num_stages=2),
+                 dict(block_k=64, num_splits=None, num_warps=4, num_stages=2, full_blocks=False),
                  dict(block_k=64, num_splits=None, num_warps=4, num_stages=3),
                  dict(block_k=64, num_splits=None, num_warps=4, num_stages=2, f32_precision="tf32x3")]
                 + [dict(block_k=64, num_splits=n, num_warps=4, num_stages=2) for n in (32, 128, 256, 512)]

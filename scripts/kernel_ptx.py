@@ -4,7 +4,7 @@ The kernel cannot be timed here, but what it asks of the GPU per block of slots 
 this script lowers ``jaxkv.attention.pallas_gpu``'s kernel for CUDA (Pallas -> Triton IR, as
 ``tests/test_pallas_gpu.py`` does), compiles that IR with the ``triton`` package for sm_90
 (Triton's own passes and LLVM's NVPTX backend; no GPU needed), and counts the instructions of
-the block loop (the basic blocks of the PTX's inner loop) by kind, with the pipelining the
+each block loop (the basic blocks of each inner loop of the PTX) by kind, with the pipelining the
 compiler chose (``cp.async.wait_group N``: with N = 0 the next block's copy is waited for
 before any work overlaps it).
 
@@ -94,23 +94,23 @@ def compile_ptx(ir_path: str, warps: int, stages: int) -> tuple[str, int]:
     return kernel.asm["ptx"], kernel.metadata.shared
 
 
-def block_loop(ptx: str) -> list[str]:
-    """The instructions of the basic blocks of the PTX's inner loop (those the loop header
-    reaches that reach it back)."""
+def block_loops(ptx: str) -> list[list[str]]:
+    """The instructions of each inner loop of the PTX, in program order (the basic blocks a
+    loop header reaches that reach it back)."""
     blocks, order, current = {"entry": []}, ["entry"], "entry"
-    header = None
+    headers = []
     for line in ptx.splitlines():
         label = re.match(r"^(\$L__BB\d+_\d+):", line)
         if label:
             current = label.group(1)
             blocks[current], order = [], order + [current]
             if "Inner Loop Header" in line:
-                header = current
+                headers.append(current)
             continue
         text = line.strip()
         if text.endswith(";") and not text.startswith(("//", ".")):
             blocks[current].append(text)
-    if header is None:
+    if not headers:
         raise SystemExit("no inner loop found in the PTX")
     successors = {}
     for i, name in enumerate(order):
@@ -129,8 +129,12 @@ def block_loop(ptx: str) -> list[str]:
                     stack.append(nxt)
         return seen
 
-    loop = [name for name in order if name == header or (name in reach(header) and header in reach(name))]
-    return [text for name in loop for text in blocks[name]]
+    loops = []
+    for header in headers:
+        inside = reach(header)
+        loop = [name for name in order if name == header or (name in inside and header in reach(name))]
+        loops.append([text for name in loop for text in blocks[name]])
+    return loops
 
 
 def main() -> None:
@@ -150,13 +154,16 @@ def main() -> None:
         ptx, shared = compile_ptx(str(path), args.warps, args.stages)
         if args.out:
             path.with_suffix(f".w{args.warps}s{args.stages}.ptx").write_text(ptx)
-    loop = block_loop(ptx)
-    kinds = collections.Counter((text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
-                                for text in loop)
+    loops = block_loops(ptx)
     waits = sorted(set(re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)))
-    print(f"{args.kind}{' soft cap' if args.softcap else ''}, f32 products {args.f32_precision}, {args.warps} warps, {args.stages} stages: "
-          f"block loop {len(loop)} PTX instructions, shared memory {shared} bytes, cp.async.wait_group {waits}")
-    print("  " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
+    print(f"{args.kind}{' soft cap' if args.softcap else ''}, f32 products {args.f32_precision}, {args.warps} warps, "
+          f"{args.stages} stages: shared memory {shared} bytes, cp.async.wait_group {waits}; block loops in "
+          f"program order (with full blocks: masked, whole blocks, masked): "
+          + " / ".join(str(len(loop)) for loop in loops) + " PTX instructions")
+    for loop in loops:
+        kinds = collections.Counter((text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
+                                    for text in loop)
+        print(f"  {len(loop)}: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
 
 
 if __name__ == "__main__":

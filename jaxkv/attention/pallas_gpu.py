@@ -220,6 +220,7 @@ def pallas_attend_view(
     num_warps: int = 4,
     num_stages: int = 2,
     f32_precision: str = "highest",
+    full_blocks: bool = True,
 ) -> jax.Array:  # [B, Hq, T, D]
     """Attention of new queries over one layer's view with the Pallas split-K kernels.
 
@@ -251,6 +252,11 @@ def pallas_attend_view(
             (three TF32 tensor-core products per pair, ~float32 accuracy: 2^-21 relative
             per product rather than 2^-24; not measured on a GPU yet, hence not the
             default). Interpret mode multiplies in float32 for both (XLA:CPU has no TF32).
+        full_blocks: run the blocks that every query of the row sees whole without the
+            visibility mask and the non-finite bookkeeping (the contract still holds: a
+            non-finite logit or value there makes the row's output non-finite, hence NaN);
+            False: every block masked (the kernel before 2026-12-05). Not with a quantized
+            view's residual (its slots are skipped block by block).
 
     Returns:
         [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
@@ -314,7 +320,7 @@ def pallas_attend_view(
         raise ValueError(f"pallas_attend_view: f32_precision must be 'highest' or 'tf32x3', got {f32_precision!r}.")
     static = dict(num_splits=num_splits, block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
                   num_stages=num_stages, capped=logit_softcap is not None,
-                  tf32x3=f32_precision == "tf32x3" and not interpret)
+                  tf32x3=f32_precision == "tf32x3" and not interpret, full_blocks=bool(full_blocks))
     view = view._replace(layer=layer, lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
@@ -486,6 +492,8 @@ def _split_kernel(
     paged: bool,
     capped: bool,
     tf32x3: bool,
+    used: int,
+    full_blocks: bool,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = ints_ref[0], ints_ref[1]
@@ -514,9 +522,10 @@ def _split_kernel(
         rpos = rpos_ref[b, :]  # [R']
         res_lo, res_hi = bounds_ref[b, 3], bounds_ref[b, 4]
 
-    def load_block(off):
+    def load_block(off, checked=True):
         """Keys and values of slots [off, off + BK) as products' operands, their scales, and
-        which value rows are non-finite."""
+        which value elements (float) or slots (quantized: the value scale) are non-finite;
+        ``checked=False`` (a block every query sees): values as stored, nothing marked."""
         if paged:  # a block is one page, found through the row's block table
             # clamped into the pool as the XLA loop's gather and the CPU kernel clamp (a GPU
             # kernel would read outside it); jaxkv's own tables hold -1 or a pool page
@@ -528,6 +537,8 @@ def _split_kernel(
         if bits is None:
             keys, values = (x if x.dtype == stored_dtype else jax.lax.bitcast_convert_type(x, stored_dtype)
                             for x in (keys, values))
+            if not checked:
+                return [keys.astype(compute_dtype)], [values.astype(value_dtype)], None, None, None
             # Non-finite value elements are zeroed (0 * NaN never enters the product) and
             # marked [BK, D]; a visible slot's marks reach its queries through a product
             # (``body``), not a per-block reduction over D (the broadcast of a [BK] flag
@@ -538,8 +549,10 @@ def _split_kernel(
         k_scale, v_scale = (s if s.dtype == scale_dtype else jax.lax.bitcast_convert_type(s, scale_dtype)
                             for s in (ks_ref[at], vs_ref[at]))
         k_scale, v_scale = k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)
-        bad_value = ~jnp.isfinite(v_scale)
-        v_scale = jnp.where(bad_value, 0.0, v_scale)
+        bad_value = None
+        if checked:
+            bad_value = ~jnp.isfinite(v_scale)
+            v_scale = jnp.where(bad_value, 0.0, v_scale)
         if bits == 8:
             key_parts, value_parts = [keys], [values]
         else:  # two's complement nibbles: low = element 2i, high = element 2i + 1
@@ -596,11 +609,60 @@ def _split_kernel(
             for a, vp in zip(acc, values)]
         return (new_max, running_sum, marks, *acc)
 
+    def full_body(i, carry):
+        """A block every real query row sees: no visibility mask, nothing zeroed or marked.
+        A non-finite raw logit becomes NaN (before the soft cap, which would bound an
+        infinity) and its weight NaN; a non-finite value element meets a positive weight,
+        so the row's output is non-finite and the merge makes it NaN: the contract holds."""
+        running_max, running_sum, marks, *acc = carry
+        off = start + i * block_k
+        keys, values, k_scale, v_scale, _ = load_block(off, checked=False)
+        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
+                                      preferred_element_type=jnp.float32)
+                  for qp, kp in zip(q_parts, keys))  # [M, BK]
+        if k_scale is not None:
+            raw = raw * k_scale[None, :]
+        raw = raw * logit_scale
+        raw = jnp.where(jnp.isfinite(raw), raw, jnp.nan)
+        if capped:
+            raw = softcap * jnp.tanh(raw / softcap)
+        new_max = jnp.maximum(running_max, jnp.max(raw, axis=1))
+        safe_max = jnp.where(new_max > _NEG_INF, new_max, 0.0)
+        weights = jnp.exp(raw - safe_max[:, None])
+        correction = jnp.exp(running_max - safe_max)
+        running_sum = running_sum * correction + jnp.sum(weights, axis=1)
+        if v_scale is not None:
+            weights = weights * v_scale[None, :]
+        weights = weights.astype(value_dtype)
+        acc = [a * correction[:, None] + jax.lax.dot_general(
+            weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision, preferred_element_type=jnp.float32)
+            for a, vp in zip(acc, values)]
+        return (new_max, running_sum, marks, *acc)
+
     marks = jnp.zeros((rows, width) if bits is None else (rows,), jnp.float32)
     carry = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32), marks,
              *[jnp.zeros((rows, part), jnp.float32) for _ in range(parts)])
-    running_max, running_sum, marks, *acc = jax.lax.fori_loop(
-        jnp.int32(0), num_blocks.astype(jnp.int32), body, carry)
+    num_blocks = num_blocks.astype(jnp.int32)
+    if full_blocks and not residual:
+        # The blocks every real query row (the first ``used``) sees whole: slots
+        # [lo_full, hi_full) are below the row's length and every query's position and
+        # inside every query's window. They run in ``full_body``; the blocks before and
+        # after (a window's edge, the causal or length tail) in ``body``.
+        real = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < used
+        q_min = jnp.min(jnp.where(real, qpos, jnp.int32(2**31 - 1)))
+        q_max = jnp.max(jnp.where(real, qpos, jnp.int32(-(2**31))))
+        hi_full = jnp.where(q_min < hi, q_min + 1, hi)  # hi <= length and the capacity already
+        lo_full = jnp.where((window > 0) & (q_max >= window - 1), q_max - (window - 1), jnp.int32(0))
+        first = jnp.minimum(pl.cdiv(jnp.maximum(lo_full - start, 0), jnp.int32(block_k)), num_blocks)
+        # compared before subtracting: hi_full may be near -2**31 (a query at a very negative position)
+        past = jnp.where(hi_full > start, hi_full - start, jnp.int32(0))
+        last = jnp.maximum(jnp.minimum(past // block_k, num_blocks), first)
+        carry = jax.lax.fori_loop(jnp.int32(0), first, body, carry)
+        carry = jax.lax.fori_loop(first, last, full_body, carry)
+        carry = jax.lax.fori_loop(last, num_blocks, body, carry)
+    else:
+        carry = jax.lax.fori_loop(jnp.int32(0), num_blocks, body, carry)
+    running_max, running_sum, marks, *acc = carry
     for i, a in enumerate(acc):
         acc_ref[:, pl.ds(i * part, part)] = a
     m_ref[...] = running_max
@@ -705,7 +767,7 @@ def _compute_dtype(queries, kv_dtype):
 
 
 def _contiguous(queries, keys, values, layer, lengths, q_positions, options, floats, *, kv_dtype, num_splits, block_k,
-                interpret, num_warps, num_stages, capped, tf32x3):
+                interpret, num_warps, num_stages, capped, tf32x3, full_blocks):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -716,6 +778,7 @@ def _contiguous(queries, keys, values, layer, lengths, q_positions, options, flo
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=kv_dtype, bits=None, scale_dtype=None, residual=False, paged=False, capped=capped, tf32x3=tf32x3,
+        used=used, full_blocks=full_blocks,
     )
     return _finish(_merge(acc, running_max, running_sum), queries, used)
 
@@ -743,7 +806,7 @@ def _dense_partial(q, keys, values, positions, used, qpos, window, floats):
 
 def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, residual_values, residual_positions,
                layer, lengths, q_positions, options, floats, *, bits, kv_dtype, scale_dtype, num_splits, block_k,
-               interpret, num_warps, num_stages, capped, tf32x3):
+               interpret, num_warps, num_stages, capped, tf32x3, full_blocks):
     num_kv_heads, num_slots = keys.shape[2], keys.shape[3]
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -763,7 +826,7 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=None, bits=bits, scale_dtype=scale_dtype, residual=bool(num_residual), paged=False,
-        capped=capped, tf32x3=tf32x3,
+        capped=capped, tf32x3=tf32x3, used=used, full_blocks=full_blocks,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
@@ -776,7 +839,8 @@ def _quantized(queries, keys, values, key_scales, value_scales, residual_keys, r
 
 
 def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, lengths, q_positions, options, floats,
-           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages, capped, tf32x3):
+           *, bits, kv_dtype, scale_dtype, num_splits, block_k, interpret, num_warps, num_stages, capped, tf32x3,
+           full_blocks):
     num_kv_heads, num_slots = keys.shape[2], block_table.shape[1] * block_k
     compute = _compute_dtype(queries, kv_dtype)
     q, qpos, used = _query_rows(queries.astype(compute), q_positions, num_kv_heads)
@@ -790,7 +854,7 @@ def _paged(queries, keys, values, key_scales, value_scales, block_table, layer, 
         num_splits=num_splits, block_k=block_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, compute_dtype=compute, value_dtype=kv_dtype,
         stored_dtype=kv_dtype, bits=bits, scale_dtype=scale_dtype, residual=False, paged=True, capped=capped,
-        tf32x3=tf32x3,
+        tf32x3=tf32x3, used=used, full_blocks=full_blocks,
     )
     if order is not None:
         acc = acc[..., jnp.argsort(order)]
