@@ -18,6 +18,9 @@ slots in one launch, as flash decoding does:
 * **In place**: the kernels take the whole stacked ``[L, B, H, S, D]`` buffers (as stored:
   16-bit floats as uint16 bits, bitcast in the kernel) and the layer index as an operand
   (a traced int is fine): no layer is sliced or copied out first.
+* **Whole blocks**: the blocks every query of the row sees whole (at decode all but the
+  last; with a window, not the first) run in a loop of their own, without the visibility
+  mask and the non-finite bookkeeping (``full_blocks``); the blocks at the edges are masked.
 * **Split merge**: each program writes its partial ``(acc [M, D], m [M], l [M])`` (unnormalised
   weighted values, running max, running sum of ``exp(logit - m)``); a small XLA step merges
   the splits by log-sum-exp: ``out = sum_j e^(m_j - m) acc_j / sum_j e^(m_j - m) l_j``.
