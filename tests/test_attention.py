@@ -215,3 +215,15 @@ def test_bad_inputs_raise(change, match):
             q_positions=jnp.asarray(kwargs.pop("q_positions")), kv_lengths=jnp.asarray(kwargs.pop("kv_lengths")),
             **kwargs,
         )
+
+
+def test_float_kv_positions_are_refused_in_both_forms():
+    """[B, S] float positions were a TypeError, the [S] form was truncated (1.9 read as 1,
+    review 55): both are refused now; integer positions of both forms agree."""
+    q, k = jnp.ones((1, 1, 1, 8)), jnp.ones((1, 1, 4, 8))
+    kw = dict(q_positions=jnp.asarray([[2]]), kv_lengths=jnp.asarray([4]))
+    for positions in (jnp.asarray([0.0, 1.9, 2.5, 3.0]), jnp.asarray([[0.0, 1.9, 2.5, 3.0]])):
+        with pytest.raises(TypeError):
+            attend(q, k, k, kv_positions=positions, **kw)
+    flat = attend(q, k, k, kv_positions=jnp.asarray([0, 1, 3, 2]), **kw)
+    np.testing.assert_array_equal(np.asarray(flat), np.asarray(attend(q, k, k, kv_positions=jnp.asarray([[0, 1, 3, 2]]), **kw)))

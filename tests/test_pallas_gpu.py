@@ -744,6 +744,62 @@ def test_a_traced_layer_outside_the_stack_is_nan_never_another_layer():
                 assert np.isnan(np.asarray(traced(jnp.int32(bad)))).all(), (name, path, bad)
 
 
+def test_float16_quantized_values_keep_their_digits_at_small_magnitudes():
+    """int8 codes of a float16 model: each weight times its value scale was rounded to float16
+    before the product, and with small values (scale ~1e-6) that fell below float16's normal
+    range: error 5e-3 of the values at magnitude 1e-4, 2e-2 at 3e-5 (review 55). The scales
+    are now divided by the block's largest first: the error stays at float16's rounding."""
+    batch, dim, n = 4, 16, 250
+    for magnitude in (1.0, 1e-4, 3e-5):
+        rng = np.random.default_rng(0)
+        k = jnp.asarray(rng.standard_normal((batch, 1, n, dim)) * 2, jnp.float16)
+        v = jnp.asarray(rng.standard_normal((batch, 1, n, dim)) * magnitude, jnp.float16)
+        q = jnp.asarray(rng.standard_normal((batch, 1, 1, dim)), jnp.float32)
+        cache = QuantizedCache.init(num_layers=1, batch_size=batch, num_kv_heads=1, head_dim=dim, max_length=256,
+                                    bits=8, dtype=jnp.float16)
+        _, view = cache.write(k, v, 0)
+        dense = view.dense()
+        keys, values = (np.asarray(x[:, 0, :n], np.float64) for x in (dense.keys, dense.values))
+        logits = np.einsum("bsd,bd->bs", keys, np.asarray(q[:, 0, 0], np.float64)) / np.sqrt(dim)
+        weights = np.exp(logits - logits.max(1, keepdims=True))
+        want = np.einsum("bs,bsd->bd", weights / weights.sum(1, keepdims=True), values)
+        got = np.asarray(pallas_attend_view(q, view, q_positions=jnp.full((batch, 1), n - 1, jnp.int32),
+                                            interpret=INTERPRET), np.float64)[:, 0, 0]
+        assert np.abs(got - want).max() / np.abs(values).max() < 3e-4, magnitude
+
+
+def test_empty_batches_and_queries_and_bad_view_lengths(monkeypatch):
+    """No rows or no queries: the kernels divided by zero while tracing (the other paths return
+    the empty result); now the dispatch falls back. A hand-built view whose lengths are not
+    [B]: the XLA loop broadcast a [1] to every row (row 1 read slots it never filled), the
+    kernels failed with messages naming none of this; now a ValueError naming the shape
+    (review 55)."""
+    from jaxkv.attention.blockwise import paged_blockwise_attend, quantized_blockwise_attend
+    from jaxkv.caches import PagedCache
+
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    buffer = jnp.zeros((1, 2, 1, 32, 16))
+    view = ContiguousView(buffer, buffer, 0, jnp.asarray([3, 5], jnp.int32), jnp.float32)
+    out = attend_view(jnp.zeros((2, 2, 0, 16)), view, q_positions=jnp.zeros((2, 0), jnp.int32))
+    assert out.shape == (2, 2, 0, 16)
+    empty = ContiguousView(buffer[:, :0], buffer[:, :0], 0, jnp.zeros((0,), jnp.int32), jnp.float32)
+    assert attend_view(jnp.zeros((0, 2, 1, 16)), empty, q_positions=jnp.zeros((0, 1), jnp.int32)).shape == (0, 2, 1, 16)
+    assert "no rows or no queries" in pallas_gpu.unsupported_reason(jnp.zeros((2, 2, 0, 16)), view)
+
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 8, 16)), jnp.float32)
+    sizes = dict(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=16, max_length=32)
+    q, pos = jnp.ones((2, 1, 1, 16)), jnp.asarray([[7], [7]], jnp.int32)
+    for cache, attend in ((PagedCache.init(**sizes), paged_blockwise_attend),
+                          (QuantizedCache.init(**sizes), quantized_blockwise_attend)):
+        _, good = cache.write(k, k, 0, num_new=jnp.asarray([8, 3], jnp.int32))
+        bad = good._replace(lengths=jnp.asarray([8], jnp.int32))
+        for call in (lambda v: attend(q, v, q_positions=pos, implementation="xla"),
+                     lambda v: pallas_attend_view(q, v, q_positions=pos, interpret=INTERPRET)):
+            call(good)
+            with pytest.raises(ValueError, match=r"the view's lengths must have shape \[2\]"):
+                call(bad)
+
+
 def test_kernels_run_under_x64():
     """Under jax_enable_x64 a Python int constant is int64 and a float float64: the kernels'
     block arithmetic (lax.div of int32 by int64) and the residual check's cond (int64 against

@@ -167,6 +167,15 @@ def blockwise_attend(
     return _nan_unless(layer_ok, _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale))
 
 
+def check_view_lengths(who: str, lengths: Any, batch: int) -> None:
+    """A view's ``lengths`` must be [B]: a [1] one was broadcast to every row by the XLA
+    loop (rows read slots they never filled) and failed elsewhere with messages naming none
+    of this. (Views a cache builds always have it.)"""
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{who}: the view's lengths must have shape [{batch}] (one per row of the queries), got "
+                         f"{list(lengths.shape)}; a hand-built view needs the tokens each row holds.")
+
+
 def _check_layer(layer: Any, num_layers: int, who: str) -> None:
     """A concrete layer index outside ``[0, L)`` is a ValueError: the XLA loop's slice would
     clamp it onto a real layer (silently another layer's attention) where the kernel refuses
@@ -642,6 +651,7 @@ def quantized_blockwise_attend(
         )
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"quantized_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    check_view_lengths("quantized_blockwise_attend", view.lengths, batch)
     check_int_inputs("quantized_blockwise_attend", q_positions=q_positions, lengths=view.lengths,
                      residual_positions=view.residual_positions)
     block_size = _loop_options("quantized_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)
@@ -753,6 +763,7 @@ def paged_blockwise_attend(
         )
     if q_positions.shape != (batch, num_tokens):
         raise ValueError(f"paged_blockwise_attend: q_positions must be [{batch}, {num_tokens}], got {q_positions.shape}.")
+    check_view_lengths("paged_blockwise_attend", view.lengths, batch)
     check_int_inputs("paged_blockwise_attend", q_positions=q_positions, lengths=view.lengths,
                      block_table=view.block_table)
     block_size = _loop_options("paged_blockwise_attend", num_tokens, sliding_window, logit_softcap, block_size)

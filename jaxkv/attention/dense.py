@@ -100,6 +100,7 @@ def attention_mask(
     if kv_positions is None:
         kv_positions = slots[None, :]
     elif kv_positions.shape == (num_slots,):
+        check_int_inputs("", kv_positions=kv_positions)  # as the [B, S] form is: 1.9 was read as 1
         kv_positions = kv_positions[None, :]
     else:
         _check_int_array("kv_positions", kv_positions, (batch, num_slots), "or pass shape [slots]")

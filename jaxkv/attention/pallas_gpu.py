@@ -95,7 +95,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.attention.blockwise import check_int_inputs, check_softcap
+from jaxkv.attention.blockwise import check_int_inputs, check_softcap, check_view_lengths
 from jaxkv.attention.blockwise import (
     _checked_layer,
     _nan_unless,
@@ -155,6 +155,8 @@ def unsupported_reason(queries: jax.Array, view: Any) -> str | None:
         kv_batch, num_slots = view.keys.shape[1], view.keys.shape[3]
     if kv_batch != batch or num_q_heads % num_kv_heads:
         return f"queries {queries.shape} do not fit the cache {view.keys.shape} (same B; Hq a multiple of H)"
+    if batch == 0 or num_tokens == 0:
+        return f"queries {queries.shape}: no rows or no queries (nothing for a kernel to do; the XLA path returns the empty result)"
     if num_tokens > MAX_QUERIES:
         return f"{num_tokens} queries per row; the kernels take at most {MAX_QUERIES} (prefill uses the XLA loop)"
     if (num_q_heads // num_kv_heads) * num_tokens > _MAX_ROWS:
@@ -276,6 +278,7 @@ def pallas_attend_view(
     why = unsupported_reason(queries, view)
     if why is not None:
         raise ValueError(f"pallas_attend_view: {why}; use jaxkv.attention.attend_view, which falls back.")
+    check_view_lengths("pallas_attend_view", view.lengths, queries.shape[0])
     layer, layer_ok = _checked_layer(view.layer, view.keys.shape[0], "pallas_attend_view")
     if layer_ok is not None:  # a traced layer outside [0, L): layer 0 is read, the output is NaN
         layer = jnp.where(layer_ok, layer, 0)
@@ -564,6 +567,27 @@ def _split_kernel(
         return ([x.astype(compute_dtype) for x in key_parts], [x.astype(value_dtype) for x in value_parts],
                 k_scale, v_scale, bad_value)
 
+    def weigh_values(acc, correction, weights, v_scale, values):
+        """``acc * correction + (weights * v_scale) @ values``, the product's operands in the
+        value dtype. Quantized float16: the value scales are divided by the block's largest
+        first (and the product multiplied by it): weights times a small scale fell below
+        float16's normal range (6e-5) and lost their digits (error 5e-3 of the values at
+        magnitude 1e-4, review 55)."""
+        block_scale = None
+        if v_scale is not None:
+            if jnp.dtype(value_dtype) == jnp.float16:
+                block_scale = jnp.max(v_scale)
+                block_scale = jnp.where(block_scale > 0, block_scale, jnp.float32(1))
+                v_scale = v_scale / block_scale
+            weights = weights * v_scale[None, :]
+        weights = weights.astype(value_dtype)
+        out = []
+        for a, vp in zip(acc, values):
+            product = jax.lax.dot_general(weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision,
+                                          preferred_element_type=jnp.float32)
+            out.append(a * correction[:, None] + (product if block_scale is None else product * block_scale))
+        return out
+
     def body(i, carry):
         running_max, running_sum, marks, *acc = carry
         off = start + i * block_k
@@ -604,12 +628,7 @@ def _split_kernel(
         weights = jnp.where(visible & bad, jnp.nan, weights)
         correction = jnp.exp(running_max - safe_max)  # 0 while nothing was seen
         running_sum = running_sum * correction + jnp.sum(weights, axis=1)
-        if v_scale is not None:
-            weights = weights * v_scale[None, :]
-        weights = weights.astype(value_dtype)
-        acc = [a * correction[:, None] + jax.lax.dot_general(
-            weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision, preferred_element_type=jnp.float32)
-            for a, vp in zip(acc, values)]
+        acc = weigh_values(acc, correction, weights, v_scale, values)
         return (new_max, running_sum, marks, *acc)
 
     def full_body(i, carry):
@@ -634,12 +653,7 @@ def _split_kernel(
         weights = jnp.exp(raw - safe_max[:, None])
         correction = jnp.exp(running_max - safe_max)
         running_sum = running_sum * correction + jnp.sum(weights, axis=1)
-        if v_scale is not None:
-            weights = weights * v_scale[None, :]
-        weights = weights.astype(value_dtype)
-        acc = [a * correction[:, None] + jax.lax.dot_general(
-            weights, vp, (((1,), (0,)), ((), ())), precision=pv_precision, preferred_element_type=jnp.float32)
-            for a, vp in zip(acc, values)]
+        acc = weigh_values(acc, correction, weights, v_scale, values)
         return (new_max, running_sum, marks, *acc)
 
     marks = jnp.zeros((rows, width) if bits is None else (rows,), jnp.float32)
