@@ -668,6 +668,30 @@ def test_one_byte_buffers_of_2_to_4_gib_go_to_the_xla_loop(monkeypatch):
         pallas_attend_view(q, quantized(40, slots), q_positions=sds((batch, 1), jnp.int32))
 
 
+def test_a_vmapped_batch_of_one_byte_codes_in_the_wrapping_range_goes_to_the_xla_loop(monkeypatch):
+    """The kernels' own vmap rule lowers the batched operand: two caches of 1.5 GiB of int8
+    codes are one 3 GiB operand to Triton, 32-bit offsets that wrap (review 58); the batch
+    takes the XLA loop then. (A device's shard of a larger sharded cache is checked the same
+    way where the partitioned call is lowered.) Two of 0.5 GiB keep the kernels. Abstract
+    arrays: nothing is allocated."""
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    sds = jax.ShapeDtypeStruct
+
+    def program(slots):  # one cache: 8 layers x 8 kv heads x slots x 128 int8 codes
+        def one(q, codes, scales, lengths, pos):
+            empty = jnp.zeros((1, 8, 0, 128), jnp.bfloat16)
+            view = QuantizedView(codes, codes, scales, scales, empty, empty, jnp.zeros((1, 0), jnp.int32),
+                                 jnp.int32(0), lengths, 8, jnp.bfloat16, jnp.bfloat16)
+            return pallas_attend_view(q, view, q_positions=pos, interpret=INTERPRET)
+
+        return str(jax.make_jaxpr(jax.vmap(one))(
+            sds((2, 1, 32, 1, 128), jnp.bfloat16), sds((2, 8, 1, 8, slots, 128), jnp.int8),
+            sds((2, 8, 1, 8, slots), jnp.uint16), sds((2, 1), jnp.int32), sds((2, 1, 1), jnp.int32)))
+
+    assert "pallas_call" in program(2**16)  # 0.5 GiB each, 1 GiB batched
+    assert "pallas_call" not in program(3 * 2**16)  # 1.5 GiB each, one 3 GiB operand
+
+
 def test_the_triton_lowering_gives_operands_of_at_most_4_gib_32_bit_offsets():
     """The rule ``pallas_gpu._offsets_wrap`` assumes, read off the Triton IR Pallas lowers: a
     kernel loading 128 int8 elements at a traced offset of an operand of 2**31, 2**31 + 2**20,
@@ -766,6 +790,46 @@ def test_float16_quantized_values_keep_their_digits_at_small_magnitudes():
         got = np.asarray(pallas_attend_view(q, view, q_positions=jnp.full((batch, 1), n - 1, jnp.int32),
                                             interpret=INTERPRET), np.float64)[:, 0, 0]
         assert np.abs(got - want).max() / np.abs(values).max() < 3e-4, magnitude
+
+
+def test_review_58_an_unseen_scale_a_numpy_dtype_field_and_an_int64_layer(monkeypatch):
+    """(1) float16 int8 codes: the block's largest value scale, which the others are divided
+    by, was taken over unseen slots too: a large scale past the length moved the output by
+    0.18 of 0.37; now the output does not move. (2) A hand-built view whose dtype field is
+    np.float32 (a type, whose .shape is a descriptor) crashed the 2-4 GiB check. (3) A traced
+    int64 layer of 2**32 + 1 was cast to int32 (1) before the range check: layer 1 came out."""
+    rng = np.random.default_rng(0)
+    slots, dim, n = 32, 16, 20
+    codes = rng.integers(-127, 128, size=(2, 1, 1, 1, slots, dim)).astype(np.int8)
+    q = jnp.asarray(rng.standard_normal((1, 1, 1, dim)), jnp.float16)
+    empty = jnp.zeros((1, 1, 0, dim), jnp.float16)
+
+    def attend(unseen_scale):
+        scales = np.full((1, 1, 1, slots), 0.01, np.float32)
+        scales[..., 25] = unseen_scale  # slot 25 >= length 20
+        view = QuantizedView(jnp.asarray(codes[0]), jnp.asarray(codes[1]), jnp.full((1, 1, 1, slots), 0.01, jnp.float32),
+                             jnp.asarray(scales), empty, empty, jnp.zeros((1, 0), jnp.int32), jnp.int32(0),
+                             jnp.asarray([n]), 8, jnp.float16, jnp.float32)
+        return np.asarray(pallas_attend_view(q, view, q_positions=jnp.asarray([[n - 1]]), interpret=INTERPRET,
+                                             block_k=16), np.float64)
+
+    base = attend(0.01)
+    for scale in (1e4, 1e8):
+        np.testing.assert_array_equal(attend(scale), base)
+
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "1")
+    k = jnp.asarray(rng.standard_normal((2, 1, 1, 16, 16)), jnp.float32)
+    view = ContiguousView(k, k, 0, jnp.asarray([4]), np.float32)
+    assert pallas_gpu.unsupported_reason(jnp.ones((1, 1, 1, 16)), view) is None
+    attend_view(jnp.ones((1, 1, 1, 16)), view, q_positions=jnp.asarray([[3]]))
+
+    from jaxkv.attention.blockwise import blockwise_attend
+
+    with jax.enable_x64(True):
+        f = jax.jit(lambda layer: blockwise_attend(k[0, :, :, :1], k, k, layer_idx=layer, q_positions=jnp.asarray([[5]]),
+                                                   kv_lengths=jnp.asarray([6]), implementation="xla"))
+        assert np.isnan(np.asarray(f(jnp.int64(2**32 + 1)))).all()
+        assert not np.isnan(np.asarray(f(jnp.int64(1)))).any()
 
 
 def test_empty_batches_and_queries_and_bad_view_lengths(monkeypatch):

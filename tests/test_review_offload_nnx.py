@@ -164,6 +164,37 @@ def test_gradients_through_a_cache_are_true_or_a_clear_error():
         grads(lambda: QuantizedCache.init(**shape))
 
 
+def test_gradients_under_jit_through_caches_longer_than_one_loop_block():
+    """jax.grad under jit through a StaticCache or PagedCache of more than 512 slots (128 for
+    longer chunks) failed: the blockwise loop's while loops have traced trip counts, which
+    reverse mode cannot transpose (review 57). Derivatives now come from the same attention
+    over the layer read whole: the cache=None gradient, eager and jitted, at 513 slots, for a
+    20-token chunk (the XLA loop) into a static and a paged cache."""
+    from jaxkv.attention import cache_attention
+    from jaxkv.caches import PagedCache, StaticCache
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 20, 8)), jnp.float32) for _ in range(3))
+    positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+
+    def loss_with(cache):
+        def loss(q, k, v):
+            out = cache_attention(q, k[:, :1], v[:, :1], cache, 0, positions=positions) if cache is not None else \
+                cache_attention(q, k[:, :1], v[:, :1], None, 0, positions=positions)
+            return jnp.sum(out[0] * jnp.arange(8.0))
+        return loss
+
+    want = jax.grad(loss_with(None), argnums=(0, 1, 2))(q, k, v)
+    for slots in (513,):
+        for cache in (StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=8, max_length=slots),
+                      PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=8, max_length=slots,
+                                      page_size=16)):
+            for grad in (jax.grad(loss_with(cache), argnums=(0, 1, 2)),
+                         jax.jit(jax.grad(loss_with(cache), argnums=(0, 1, 2)))):
+                for got, ref in zip(grad(q, k, v), want):
+                    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
 def test_kvattention_checks_num_new_without_a_cache_and_its_own_arguments():
     """cache=None took any num_new: [-2, 3] gave row 0 zeros, a scalar named kv_lengths; a
     list of positions, an x of rank 2 and num_kv_heads=0 failed deep inside (AttributeError,

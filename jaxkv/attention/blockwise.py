@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _kernels
 from jaxkv.caches._bits import from_bits, stored_dtype
+from jaxkv.caches.views import ContiguousView
 
 __all__ = ["blockwise_attend", "paged_blockwise_attend", "quantized_blockwise_attend"]
 
@@ -164,7 +165,15 @@ def blockwise_attend(
     )
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     why_not = None if implementation == "xla" else _kernel_unsuitable(queries, kv_dtype)
-    return _nan_unless(layer_ok, _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale))
+    options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    to_dense = dense_equivalent(lambda k, v, layer, kv_len: ContiguousView(k, v, layer, kv_len, kv_dtype or k.dtype),
+                                **options)
+
+    def dense(queries, keys, values, layer, q_pos, kv_len):
+        return to_dense(queries, q_pos, keys, values, layer, kv_len)
+
+    return _nan_unless(layer_ok, _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale,
+                                         dense=dense))
 
 
 def check_view_lengths(who: str, lengths: Any, batch: int) -> None:
@@ -200,8 +209,9 @@ def _checked_layer(layer: Any, num_layers: int, who: str) -> tuple[jax.Array, ja
     _check_layer(layer, num_layers, who)
     if not isinstance(layer, jax.core.Tracer):
         return jnp.asarray(layer, jnp.int32), None
-    layer = layer.astype(jnp.int32)
-    return layer, (layer >= 0) & (layer < num_layers)
+    ok = (layer >= 0) & (layer < num_layers)  # before the cast: an int64 2**32 + 1 would wrap to 1
+    # out of range it is L, whatever it was: the CPU kernel's run-time check still refuses it
+    return jnp.where(ok, layer, num_layers).astype(jnp.int32), ok
 
 
 def _nan_unless(ok: jax.Array | None, out: jax.Array) -> jax.Array:
@@ -213,13 +223,41 @@ def _check_implementation(who: str, implementation: str) -> None:
         raise ValueError(f"{who}: implementation must be 'auto', 'xla' or 'kernel', got {implementation!r}.")
 
 
-def _select(who, implementation, why_not, xla, kernel, args, *, scale):
+_QUANTIZED_ARGS = ("keys", "values", "key_scales", "value_scales", "residual_keys", "residual_values",
+                   "residual_positions", "layer", "lengths")
+
+
+def dense_equivalent(view_of, *, sliding_window, logit_softcap, scale):
+    """``f(queries, q_positions, *arrays)``: the same attention as the blockwise paths, by
+    :func:`jaxkv.attention.attend` over ``view_of(*arrays).dense()`` (the layer read whole,
+    unfilled slots zeroed). Derivatives come from it: the XLA loop's ``while`` loops have
+    traced trip counts, which reverse mode cannot transpose (``jax.grad`` under ``jit``
+    failed as soon as a cache held more than one loop block, review 57)."""
+    from jaxkv.attention.dense import attend  # dense imports this module
+
+    def f(queries, q_positions, *arrays):
+        layer = view_of(*arrays).dense()
+        return attend(queries, layer.keys, layer.values, q_positions=q_positions, kv_lengths=layer.kv_lengths,
+                      kv_positions=layer.kv_positions, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                      scale=scale)
+
+    return f
+
+
+def _select(who, implementation, why_not, xla, kernel, args, *, scale, dense):
     """Runs ``kernel(*args)`` or ``xla(*args)`` (same function) as ``implementation`` and
-    ``why_not`` (the inputs' reason the kernel cannot take them, or None) decide; the
-    kernel's derivatives come from the XLA loop."""
+    ``why_not`` (the inputs' reason the kernel cannot take them, or None) decide; both take
+    their derivatives from ``dense(*args)`` (:func:`dense_equivalent`), which reverse mode
+    can differentiate at any length. (A traced scale: the XLA loop's own derivatives, as a
+    custom derivative cannot close over it.)"""
+    traced_scale = isinstance(scale, jax.core.Tracer)
+
+    def run(fn):
+        return fn(*args) if traced_scale else _with_dense_derivative(fn, dense)(*args)
+
     if implementation == "xla":
-        return xla(*args)
-    if why_not is None and isinstance(scale, jax.core.Tracer):  # the XLA loop takes it as an operand
+        return run(xla)
+    if why_not is None and traced_scale:  # the XLA loop takes it as an operand
         why_not = "the scale is traced, and the kernel takes it as a compile-time constant (pass a Python float)"
     platform = _default_platform()
     if why_not is None and platform != "cpu":  # checked first: available() runs the compiler
@@ -229,20 +267,21 @@ def _select(who, implementation, why_not, xla, kernel, args, *, scale):
     if why_not:
         if implementation == "kernel":
             raise ValueError(f"{who}: implementation='kernel' cannot run here: {why_not}; use 'auto'.")
-        return xla(*args)
+        return run(xla)
 
-    @jax.custom_jvp
     def attend_(*args):
         if implementation == "kernel":  # lowering for another platform fails: no target there
             return kernel(*args)
         # Lowered for one platform, this picks one branch: no conditional in the program.
         return jax.lax.platform_dependent(*args, cpu=kernel, default=xla)
 
-    @attend_.defjvp
-    def _attend_jvp(primals, tangents):
-        return jax.jvp(xla, primals, tangents)
+    return run(attend_)
 
-    return attend_(*args)
+
+def _with_dense_derivative(fn, dense):
+    wrapped = jax.custom_jvp(fn)
+    wrapped.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
+    return wrapped
 
 
 MAX_SOFTCAP = 1e30
@@ -673,8 +712,15 @@ def quantized_blockwise_attend(
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
                      bits=view.bits)
     why_not = None if implementation == "xla" else _quantized_kernel_unsuitable(queries, view)
+    to_dense = dense_equivalent(lambda *arrays: view._replace(**dict(zip(_QUANTIZED_ARGS, arrays))),
+                                sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+
+    def dense(queries, *rest):
+        *arrays, q_pos, kv_len = rest
+        return to_dense(queries, q_pos, *arrays, kv_len)
+
     return _nan_unless(layer_ok, _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args,
-                                         scale=scale))
+                                         scale=scale, dense=dense))
 
 
 def _quantized_kernel_unsuitable(queries: jax.Array, view) -> str | None:
@@ -826,5 +872,14 @@ def paged_blockwise_attend(
             why_not = _kernel_unsuitable(queries, jnp.dtype(view.dtype))
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, paged=True,
                      bits=view.bits or 0)
+    names = (("keys", "values", "key_scales", "value_scales") if view.bits else ("keys", "values")) + (
+        "layer", "q_pos", "lengths", "block_table")
+
+    def dense(queries, *arrays):
+        named = dict(zip(names, arrays))
+        q_pos = named.pop("q_pos")
+        return dense_equivalent(lambda: view._replace(**named), sliding_window=sliding_window,
+                                logit_softcap=logit_softcap, scale=scale)(queries, q_pos)
+
     return _nan_unless(layer_ok, _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args,
-                                         scale=scale))
+                                         scale=scale, dense=dense))

@@ -74,8 +74,9 @@ Sharded caches: the kernels carry a partitioning rule (``custom_partitioning``, 
 kernel's rule): over a cache sharded by rows and kv heads, each device runs them on its own
 rows and kv heads and the output comes back sharded that way; nothing gathers the cache
 (``tests/test_sharding.py`` checks the compiled program on 8 virtual devices, interpret
-mode). Under ``jax.vmap`` the Pallas call batches itself. Derivatives come from the XLA loop
-(``custom_jvp``), which computes the same function.
+mode). Under ``jax.vmap`` the Pallas call batches itself. Derivatives come from the same
+attention over the layer read whole (``custom_jvp``; reverse mode cannot go through the XLA
+loop's traced trip counts).
 
 Shapes: B rows, Hq query heads, H kv heads, G = Hq // H, T queries, S slots, D head dim,
 M = G * T padded, BK slots per block, NS splits, R residual slots.
@@ -95,15 +96,15 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.attention.blockwise import check_int_inputs, check_softcap, check_view_lengths
+from jaxkv.attention.blockwise import check_int_inputs, check_softcap, check_view_lengths, dense_equivalent
 from jaxkv.attention.blockwise import (
+    blockwise_attend,
+    paged_blockwise_attend,
+    quantized_blockwise_attend,
     _checked_layer,
     _nan_unless,
     _default_platform,
     _local_axes,
-    blockwise_attend,
-    paged_blockwise_attend,
-    quantized_blockwise_attend,
 )
 from jaxkv.caches.views import ContiguousView, PagedView, QuantizedView
 
@@ -198,7 +199,7 @@ def _offsets_wrap(array: Any) -> str | None:
     2-4 GiB. ``tests/test_pallas_gpu.py`` checks the lowering's rule.
     """
     shape, dtype = getattr(array, "shape", None), getattr(array, "dtype", None)
-    if shape is None or dtype is None:
+    if not isinstance(shape, tuple) or dtype is None:  # a view's static fields (a dtype, even np.float32)
         return None
     elements = 1
     for size in shape:
@@ -265,7 +266,7 @@ def pallas_attend_view(
 
     Returns:
         [B, Hq, T, D] in the dtype of ``queries``. Derivatives (``jax.jvp``/``grad``) come
-        from the blockwise XLA loop, which computes the same function.
+        from dense attention over the layer read whole, which computes the same function.
 
     Raises:
         ValueError: inputs the kernels do not take (the reason of :func:`unsupported_reason`),
@@ -330,7 +331,7 @@ def pallas_attend_view(
     view = view._replace(layer=layer, lengths=view.lengths.astype(jnp.int32))
     view_static = tuple((name, getattr(view, name)) for name in _STATIC_FIELDS if name in view._fields)
     names = [name for name in view._fields if name not in _STATIC_FIELDS]
-    kernel = _sharded_kernel(type(view), view_static, tuple(static.items()))
+    kernel = _sharded_kernel(type(view), view_static, tuple(static.items()), (sliding_window, logit_softcap, scale))
 
     def rebuild(arrays):
         return view._replace(**dict(zip(names, arrays)))
@@ -339,12 +340,11 @@ def pallas_attend_view(
     def attend(queries, q_positions, *arrays):
         return _run_sharded(kernel, interpret)(queries, q_positions, options, floats, *arrays)
 
-    @attend.defjvp
-    def _attend_jvp(primals, tangents):  # derivatives (rarely wanted in decode) from the XLA loop
-        def xla(queries, q_positions, *arrays):
-            return _xla_path(queries, rebuild(arrays), q_positions, sliding_window, logit_softcap, scale)
-
-        return jax.jvp(xla, primals, tangents)
+    # derivatives (rarely wanted in decode) from the same attention over the layer read whole,
+    # which reverse mode differentiates at any length (the XLA loop's traced trip counts it cannot)
+    dense = dense_equivalent(lambda *arrays: rebuild(arrays), sliding_window=sliding_window,
+                             logit_softcap=logit_softcap, scale=scale)
+    attend.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
 
     return _nan_unless(layer_ok, attend(queries, q_positions.astype(jnp.int32), *[getattr(view, name) for name in names]))
 
@@ -371,7 +371,7 @@ _STATIC_FIELDS = ("bits", "dtype", "scale_dtype")  # a view's fields that are no
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded_kernel(view_type, view_static, static):
+def _sharded_kernel(view_type, view_static, static, xla_options):
     """The kernels as one call ``(queries, q_positions, options, floats, *view arrays)``,
     split by rows and kv heads over a sharded cache.
 
@@ -388,7 +388,15 @@ def _sharded_kernel(view_type, view_static, static):
     names = [name for name in view_type._fields if name not in view_static]
     paged = view_type is PagedView
 
+    def xla_local(queries, q_positions, options, floats, *arrays):
+        view = view_type(**dict(zip(names, arrays)), **view_static)
+        return _xla_path(queries, view, q_positions, *xla_options)
+
     def local(queries, q_positions, options, floats, *arrays):
+        if any(_offsets_wrap(x) is not None for x in arrays):
+            # a device's shard of a larger cache holds 2-4 GiB of one-byte codes: the Triton
+            # lowering would index it with 32-bit offsets (see _offsets_wrap); the XLA loop
+            return xla_local(queries, q_positions, options, floats, *arrays)
         view = view_type(**dict(zip(names, arrays)), **view_static)
         return _kernel_path(queries, view, q_positions, options, floats, **static)
 
@@ -439,7 +447,11 @@ def _sharded_kernel(view_type, view_static, static):
 
     @batchable.def_vmap
     def _rule(axis_size, in_batched, *operands):
-        return jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))(*operands), True
+        # the Pallas call's batching lowers the batched operands: 2-4 GiB of one-byte codes
+        # across the batch would get 32-bit offsets (see _offsets_wrap): the XLA loop then
+        wraps = any(_offsets_wrap(x) is not None for x in operands)
+        return jax.vmap(xla_local if wraps else local, in_axes=tuple(0 if b else None for b in in_batched))(
+            *operands), True
 
     return batchable
 
@@ -567,16 +579,19 @@ def _split_kernel(
         return ([x.astype(compute_dtype) for x in key_parts], [x.astype(value_dtype) for x in value_parts],
                 k_scale, v_scale, bad_value)
 
-    def weigh_values(acc, correction, weights, v_scale, values):
+    def weigh_values(acc, correction, weights, v_scale, values, visible=None):
         """``acc * correction + (weights * v_scale) @ values``, the product's operands in the
         value dtype. Quantized float16: the value scales are divided by the block's largest
         first (and the product multiplied by it): weights times a small scale fell below
         float16's normal range (6e-5) and lost their digits (error 5e-3 of the values at
-        magnitude 1e-4, review 55)."""
+        magnitude 1e-4, review 55). The largest over the slots some query sees (``visible``
+        [M, BK]; None: all): an unseen slot's scale must not shift the others' rounding."""
         block_scale = None
         if v_scale is not None:
             if jnp.dtype(value_dtype) == jnp.float16:
-                block_scale = jnp.max(v_scale)
+                seen = v_scale if visible is None else jnp.where(jnp.max(visible.astype(jnp.float32), axis=0) > 0,
+                                                                 v_scale, 0.0)
+                block_scale = jnp.max(seen)
                 block_scale = jnp.where(block_scale > 0, block_scale, jnp.float32(1))
                 v_scale = v_scale / block_scale
             weights = weights * v_scale[None, :]
@@ -628,7 +643,7 @@ def _split_kernel(
         weights = jnp.where(visible & bad, jnp.nan, weights)
         correction = jnp.exp(running_max - safe_max)  # 0 while nothing was seen
         running_sum = running_sum * correction + jnp.sum(weights, axis=1)
-        acc = weigh_values(acc, correction, weights, v_scale, values)
+        acc = weigh_values(acc, correction, weights, v_scale, values, visible)
         return (new_max, running_sum, marks, *acc)
 
     def full_body(i, carry):
