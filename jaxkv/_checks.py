@@ -67,6 +67,11 @@ def check_token_ids(token_ids: Any, vocab_size: int | None, who: str, *, name: s
     """
     if vocab_size is None or isinstance(token_ids, jax.core.Tracer):
         return
+    if isinstance(token_ids, jax.Array) and not token_ids.is_fully_addressable:
+        # a global array over several processes: each checks the shards it holds
+        for shard in token_ids.addressable_shards:
+            check_token_ids(np.asarray(shard.data), vocab_size, who, name=f"{name} (a shard at {shard.index})")
+        return
     ids = np.asarray(token_ids)
     if ids.size == 0 or not integral_ids(ids):
         return  # shape and dtype problems are reported by the callers' own checks

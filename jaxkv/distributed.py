@@ -107,13 +107,21 @@ def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(names[:-1]) if names and names[-1] == "value" else tuple(names)
 
 
+def _axis_size(mesh: Mesh, axis: Any) -> int:
+    """Devices along a PartitionSpec entry: one mesh axis, or a tuple of them."""
+    size = 1
+    for name in axis if isinstance(axis, tuple) else (axis,):
+        size *= mesh.shape[name]
+    return size
+
+
 def _spec_for(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules) -> P:
     for suffix, trailing in rules:
         if names[-len(suffix):] != tuple(suffix) or len(trailing) > len(shape):
             continue
         spec = (None,) * (len(shape) - len(trailing)) + tuple(trailing)
         # An axis the mesh does not divide stays whole (correct, just not split).
-        spec = tuple(a if a is None or shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+        spec = tuple(a if a is None or shape[i] % _axis_size(mesh, a) == 0 else None for i, a in enumerate(spec))
         return P(*spec)
     return P()
 
@@ -128,6 +136,10 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=LLAMA_RULES) -> Any:
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
     """``x`` (a host value, the same in every process) as a global array split by ``sharding``;
     each process fills only its own devices' shards."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # already global (a second call placing what the first placed): reshard on device,
+        # np.asarray cannot read the other processes' shards
+        return x if x.sharding == sharding else jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -279,6 +291,13 @@ def _worker(args: argparse.Namespace) -> None:
         count = jax.device_count()
         mesh = make_mesh(count // args.model_parallel, args.model_parallel)
         tokens = generate(model, ids, args.max_new_tokens, mesh=mesh, prompt_lengths=lengths).tokens
+        # A second call on the placed model, and an eager call with a global cache: host
+        # checks read only what this process holds (both raised on another process's shards).
+        again = generate(model, ids, args.max_new_tokens, mesh=mesh, prompt_lengths=lengths).tokens
+        sharded = ShardedModel(model, mesh)
+        logits, _ = sharded.model(place(ids, NamedSharding(mesh, P())), sharded.init_cache(ids.shape[0], 16))
+        result.update(second_call_equal=bool(np.array_equal(np.asarray(again), np.asarray(tokens))),
+                      eager_logits_finite=bool(jax.jit(lambda x: jnp.isfinite(x).all())(logits)))
         # What the program ran on: how the weights and the cache were split.
         state = nnx.state(model)
         cache = ShardedModel(model, mesh).init_cache(ids.shape[0], 16)

@@ -31,6 +31,14 @@ def test_rules_shard_the_trailing_axes_with_or_without_a_layer_axis(layers):
     assert spec("embed_tokens", "embedding", shape=(128, 64)) == P()
 
 
+def test_a_rule_may_name_a_tuple_of_mesh_axes():
+    """P(None, ("data", "model")) splits over both axes; the divisibility check read
+    mesh.shape[("data", "model")] (KeyError, review 57)."""
+    rules = ((("q_proj", "kernel"), (None, ("data", "model"))),) + LLAMA_RULES
+    assert _spec_for(("q_proj", "kernel"), (64, 64), MESH, rules) == P(None, ("data", "model"))
+    assert _spec_for(("q_proj", "kernel"), (64, 12), MESH, rules) == P(None, None)  # 12 % 8: whole
+
+
 def test_mesh_and_cache_sharding_errors():
     assert distributed.cache_sharding(distributed.make_mesh(1, 1), 2, 3).spec == P("data", "model")
     with pytest.raises(ValueError, match="batch size 3 is not a multiple of the data axis"):
@@ -48,6 +56,9 @@ def test_two_processes_of_four_devices_give_the_tokens_of_one_device():
     want = jaxkv.generate(distributed._demo_model(), ids, 8, prompt_lengths=lengths).tokens
     got = distributed.launch(num_processes=2, local_devices=4, model_parallel=2, max_new_tokens=8)
     assert (got["processes"], got["devices"], got["mesh"]) == (2, 8, {"data": 4, "model": 2})
+    # a second generate on the placed model, an eager call with a global cache (both raised
+    # reading another process's shards on the host, review 57)
+    assert got["second_call_equal"] and got["eager_logits_finite"]
     np.testing.assert_array_equal(np.array(got["tokens"]), np.asarray(want))
     specs = got["param_specs"]
 

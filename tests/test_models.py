@@ -406,3 +406,17 @@ def test_a_ring_cache_under_a_full_attention_layer_is_an_error():
         got, ring = forward(sliding, tokens[:, t : t + 1], ring)
         outs.append(got)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(want), **TOL)
+
+
+def test_a_scalar_num_new_is_every_rows_count():
+    """Llama.__call__ took num_new only as [B] (a scalar was an IndexError, review 57) where
+    the caches, cache_attention and KVAttention take a scalar too."""
+    from flax import nnx
+
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 100, (2, 3)), jnp.int32)
+    scalar, _ = model(ids, model.init_cache(2, 8), 2)
+    rows, _ = model(ids, model.init_cache(2, 8), jnp.asarray([2, 2]))
+    np.testing.assert_array_equal(np.asarray(scalar), np.asarray(rows))

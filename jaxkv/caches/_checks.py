@@ -28,7 +28,11 @@ class CacheError(ValueError):
 
 
 def _is_traced(*xs: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in xs)
+    """Whether any of ``xs`` cannot be read on this host: a tracer, or a global array with
+    shards on other processes (``np.asarray`` of it raises there); the checks that need
+    values then take the traced path (flags, poisoned rows) instead."""
+    return any(isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable)
+               for x in xs)
 
 
 def _static_int(x: Any) -> int | None:

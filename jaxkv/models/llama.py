@@ -708,6 +708,8 @@ class Llama(nnx.Module):
                 )
             _check_cache_windows(cache, self.config)
         batch, num_tokens = tokens.shape
+        if num_new is not None and jnp.ndim(num_new) == 0:  # a scalar, as the caches and KVAttention take it
+            num_new = jnp.broadcast_to(jnp.asarray(num_new), (batch,))
         positions = token_positions(cache, batch, num_tokens)
 
         # A NumPy constant: derived from the config, so it is no parameter and never loaded.
@@ -724,7 +726,8 @@ class Llama(nnx.Module):
         is_real = True if num_new is None else jnp.arange(num_tokens)[None, :] < jnp.asarray(num_new)[:, None]
         bad_row = jnp.any(~in_vocab & is_real, axis=1)  # [B]; padding is never stored, so it may hold anything
         flagged = getattr(cache, "self_attention", cache)  # the part an EncoderDecoderCache writes
-        eager_scan = self.scan_layers and isinstance(flagged, KVCache) and not isinstance(x, jax.core.Tracer)
+        eager_scan = (self.scan_layers and isinstance(flagged, KVCache) and not isinstance(x, jax.core.Tracer)
+                      and flagged.flags.is_fully_addressable)  # a global cache over processes: no host read
         before = np.asarray(flagged.flags) if eager_scan else None
         x, cache = self._run_layers(x, cache, positions=positions, num_new=num_new, rope=rope)
         if eager_scan:
