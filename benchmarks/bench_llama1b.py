@@ -249,17 +249,12 @@ def run_xla_variants(shape: Shape, cells: list[tuple[int, int]], *, steps: int, 
                 try:
                     run = bg.jaxkv_decode_loop(model, ids, steps, options)
                     tokens = np.asarray(run())
-                    samples = []
-                    for _ in range(repeats):
-                        cache = run.fresh()
-                        begin = time.perf_counter()
-                        jax.block_until_ready(run.decode(run.first, cache))
-                        samples.append(time.perf_counter() - begin)
+                    seconds = bg.time_decode(run, repeats)
                 except Exception as error:  # noqa: BLE001 - a variant XLA refuses is a result, not the end of the run
                     payload["errors"][f"B={batch} P={prompt} {key}"] = f"{type(error).__name__}: {error}"[:500]
                     print(f"  B={batch} P={prompt} {key}: failed ({type(error).__name__})", flush=True)
                     continue
-                row[key] = min(samples) / steps
+                row[key] = seconds / steps
                 if layout not in reference:
                     reference[layout] = tokens
                 elif not np.array_equal(tokens, reference[layout]):

@@ -8,6 +8,8 @@ tests: windows, soft caps, layers, split counts of the same shape and the non-fi
 scenarios reuse one compiled program (window and soft cap are runtime operands).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -341,13 +343,29 @@ def test_vmap_over_caches_equals_each_alone():
         np.testing.assert_allclose(np.asarray(got[i]), want, rtol=2e-5, atol=2e-5)
 
 
+@contextlib.contextmanager
+def _triton_ir():
+    """The Triton IR (text) of each Pallas kernel lowered inside the block, in order."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    modules = []
+    original = triton_lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", spy)
+        yield modules
+
+
 def _abstract_gpu():
     """Off a GPU, jax >= 0.11 lowers a Triton kernel only for a named abstract GPU (it reads the
     compute capability from the device kind), and an abstract mesh cannot lower the kernels'
     custom_partitioning wrapper: there the test is skipped (the GPU run lowers them for real).
     Older jax lowered for a generic GPU, as CI's does."""
-    import contextlib
-
     if jax.default_backend() != "gpu" and tuple(jax.__version_info__[:2]) >= (0, 11):
         pytest.skip("jax >= 0.11 lowers Triton kernels only with a GPU present")
     return contextlib.nullcontext()
@@ -393,19 +411,8 @@ def test_kernels_lower_through_triton(kind):
             view = QuantizedView(*arrays, layer, lengths, 4, jnp.bfloat16, jnp.bfloat16)
             return pallas_attend_view(q, view, q_positions=pos)
 
-    from jax._src.pallas.triton import lowering as triton_lowering
-
-    modules = []
-    original = triton_lowering.lower_jaxpr_to_triton_module
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
-
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with _abstract_gpu(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", spy)
+    with _abstract_gpu(), _triton_ir() as modules:
         exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])(
             q, pos, *buffers, lengths, layer)
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
@@ -696,17 +703,8 @@ def test_the_triton_lowering_gives_operands_of_at_most_4_gib_32_bit_offsets():
     """The rule ``pallas_gpu._offsets_wrap`` assumes, read off the Triton IR Pallas lowers: a
     kernel loading 128 int8 elements at a traced offset of an operand of 2**31, 2**31 + 2**20,
     2**32 and 2**32 + 128 bytes. If jax widens its offsets, this fails: relax the check."""
-    from jax._src.pallas.triton import lowering as triton_lowering
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
-
-    modules = []
-    original = triton_lowering.lower_jaxpr_to_triton_module
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
 
     def kernel(at_ref, x_ref, o_ref):
         o_ref[...] = x_ref[pl.ds(at_ref[0], 128)].astype(jnp.int32)  # an int32 output: only x is int8
@@ -720,9 +718,7 @@ def test_the_triton_lowering_gives_operands_of_at_most_4_gib_32_bit_offsets():
     widths = {}
     with _abstract_gpu():
         for size in (2**31, 2**31 + 2**20, 2**32, 2**32 + 128):
-            modules.clear()
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", spy)
+            with _triton_ir() as modules:
                 jax.export.export(jax.jit(load), platforms=["cuda"], disabled_checks=[triton])(
                     jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((size,), jnp.int8))
             (module,) = modules

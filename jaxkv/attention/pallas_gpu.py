@@ -579,6 +579,13 @@ def _split_kernel(
         return ([x.astype(compute_dtype) for x in key_parts], [x.astype(value_dtype) for x in value_parts],
                 k_scale, v_scale, bad_value)
 
+    def raw_logits(keys, k_scale):
+        """``q . k * scale`` [M, BK] in float32 (quantized: times each key's scale)."""
+        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
+                                      preferred_element_type=jnp.float32)
+                  for qp, kp in zip(q_parts, keys))
+        return (raw if k_scale is None else raw * k_scale[None, :]) * logit_scale
+
     def weigh_values(acc, correction, weights, v_scale, values, visible=None):
         """``acc * correction + (weights * v_scale) @ values``, the product's operands in the
         value dtype. Quantized float16: the value scales are divided by the block's largest
@@ -611,12 +618,7 @@ def _split_kernel(
         slots = (off if paged else jnp.minimum(off, num_slots - block_k)) + jax.lax.broadcasted_iota(
             jnp.int32, (block_k,), 0)
         keys, values, k_scale, v_scale, bad_value = load_block(off)
-        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
-                                      preferred_element_type=jnp.float32)
-                  for qp, kp in zip(q_parts, keys))  # [M, BK]
-        if k_scale is not None:
-            raw = raw * k_scale[None, :]
-        raw = raw * logit_scale
+        raw = raw_logits(keys, k_scale)
         visible = (slots[None, :] >= off) & (slots[None, :] < length) & (slots[None, :] <= qpos[:, None])
         visible = visible & ((window <= 0) | (qpos[:, None] - slots[None, :] < window))
         if residual:  # positions a used residual slot holds are counted there, exactly
@@ -654,12 +656,7 @@ def _split_kernel(
         running_max, running_sum, marks, *acc = carry
         off = start + i * block_k
         keys, values, k_scale, v_scale, _ = load_block(off, checked=False)
-        raw = sum(jax.lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), precision=qk_precision,
-                                      preferred_element_type=jnp.float32)
-                  for qp, kp in zip(q_parts, keys))  # [M, BK]
-        if k_scale is not None:
-            raw = raw * k_scale[None, :]
-        raw = raw * logit_scale
+        raw = raw_logits(keys, k_scale)
         raw = jnp.where(jnp.isfinite(raw), raw, jnp.nan)
         if capped:
             raw = softcap * jnp.tanh(raw / softcap)
