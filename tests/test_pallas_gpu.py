@@ -754,13 +754,14 @@ def test_a_traced_layer_outside_the_stack_is_nan_never_another_layer():
         for layer in range(2):
             k = jnp.asarray(rng.standard_normal((2, 1, 5, 16)), jnp.float32)
             cache, view = cache.write(k, k * 2 + layer, layer, num_new=jnp.asarray([5, 3], jnp.int32))
-        paths = {"xla": xla[name], "pallas": lambda v: pallas_attend_view(q, v, q_positions=q_pos, interpret=INTERPRET)}
+        paths = {"xla": xla[name]}
+        if name == "static":  # the kernels share the layer guard (pallas_attend_view's): one kind is enough
+            paths["pallas"] = lambda v: pallas_attend_view(q, v, q_positions=q_pos, interpret=INTERPRET)
         for path, attend in paths.items():
             traced = jax.jit(lambda i: attend(view._replace(layer=i)))
-            for layer in (0, 1):
-                np.testing.assert_allclose(np.asarray(traced(jnp.int32(layer))), np.asarray(attend(view._replace(layer=layer))),
-                                           rtol=1e-6, atol=1e-6, err_msg=f"{name} {path} {layer}")
-            for bad in (2, -1, 7):
+            np.testing.assert_allclose(np.asarray(traced(jnp.int32(1))), np.asarray(attend(view._replace(layer=1))),
+                                       rtol=1e-6, atol=1e-6, err_msg=f"{name} {path}")
+            for bad in (2, -1):
                 assert np.isnan(np.asarray(traced(jnp.int32(bad)))).all(), (name, path, bad)
 
 
