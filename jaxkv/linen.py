@@ -33,7 +33,9 @@ class KVSelfAttention(nn.Module):
         num_heads: Hq.
         num_kv_heads: H.
         head_dim: D.
-        layer_idx: the cache layer this module writes and reads.
+        layer_idx: the cache layer this module writes and reads; None: given per call
+            (``layer_idx=`` of ``__call__``, which wins over this field: under ``nn.scan``
+            over layers the one module instance must write a different layer each step).
         use_bias: bias on the q/k/v projections.
         sliding_window: optional attention window (see :func:`jaxkv.attention.attend`).
     """
@@ -41,7 +43,7 @@ class KVSelfAttention(nn.Module):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_idx: int
+    layer_idx: int | None = None
     use_bias: bool = False
     sliding_window: int | None = None
 
@@ -54,8 +56,15 @@ class KVSelfAttention(nn.Module):
         positions: jax.Array,  # [B, T] int
         num_new: jax.Array | None = None,  # [B] int
         rope: Callable[[jax.Array], jax.Array] | None = None,
+        layer_idx: int | jax.Array | None = None,
     ) -> tuple[jax.Array, StaticCache | DynamicCache | None]:
-        """Same contract as :meth:`jaxkv.nnx.KVAttention.__call__`: ``(y [B, T, E], new_cache)``."""
+        """Same contract as :meth:`jaxkv.nnx.KVAttention.__call__`: ``(y [B, T, E], new_cache)``.
+        ``layer_idx`` (an int or a traced int, e.g. an ``nn.scan`` step's layer) overrides
+        the attribute; one of the two is required."""
+        layer = self.layer_idx if layer_idx is None else layer_idx
+        if layer is None:
+            raise ValueError("KVSelfAttention: no cache layer: set the layer_idx attribute or pass layer_idx= "
+                             "to the call (under nn.scan over layers: the scanned layer index)")
         if cache is not None:
             check_cache(cache, "KVSelfAttention")
         _check_positions(positions, "KVSelfAttention")
@@ -76,7 +85,7 @@ class KVSelfAttention(nn.Module):
         if rope is not None:
             q, k = rope(q), rope(k)
         out, cache = cache_attention(
-            q, k, v, cache, self.layer_idx, positions=positions, num_new=num_new, sliding_window=self.sliding_window
+            q, k, v, cache, layer, positions=positions, num_new=num_new, sliding_window=self.sliding_window
         )  # [B, Hq, T, D]
         y = nn.DenseGeneral(embed_dim, axis=(-2, -1), use_bias=False, name="o_proj")(out.transpose(0, 2, 1, 3))
         return y, cache

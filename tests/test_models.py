@@ -420,3 +420,51 @@ def test_a_scalar_num_new_is_every_rows_count():
     scalar, _ = model(ids, model.init_cache(2, 8), 2)
     rows, _ = model(ids, model.init_cache(2, 8), jnp.asarray([2, 2]))
     np.testing.assert_array_equal(np.asarray(scalar), np.asarray(rows))
+
+
+def test_linen_attention_under_nn_scan_writes_each_layer():
+    """KVSelfAttention's layer was a fixed attribute: under nn.scan over layers the one
+    instance wrote every layer into the same cache layer (later layers attended to earlier
+    layers' keys, silently; review 57). A layer_idx call argument (traced: the scan's step)
+    overrides it: two scanned layers equal two unrolled modules with fixed layers, output
+    and cache."""
+    import flax.linen as nn
+
+    from jaxkv.linen import KVSelfAttention
+
+    class Unrolled(nn.Module):
+        @nn.compact
+        def __call__(self, x, cache, positions):
+            for i in range(2):
+                y, cache = KVSelfAttention(4, 2, 8, layer_idx=i, name=f"layer_{i}")(x, cache, positions=positions)
+                x = x + y
+            return x, cache
+
+    class Step(nn.Module):
+        @nn.compact
+        def __call__(self, carry, _):
+            x, cache, positions, i = carry
+            y, cache = KVSelfAttention(4, 2, 8)(x, cache, positions=positions, layer_idx=i)
+            return (x + y, cache, positions, i + 1), None
+
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x, cache, positions):
+            scan = nn.scan(Step, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+            (x, cache, _, _), _ = scan()((x, cache, positions, jnp.int32(0)), None)
+            return x, cache
+
+    x = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    cache = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=2, head_dim=8, max_length=8)
+    scanned = Scanned()
+    params = scanned.init(jax.random.key(1), x, cache, positions)
+    stacked = params["params"]["ScanStep_0"]["KVSelfAttention_0"]  # leaves [2, ...]
+    unrolled = {"params": {f"layer_{i}": jax.tree.map(lambda w: w[i], stacked) for i in range(2)}}
+    want_y, want_cache = Unrolled().apply(unrolled, x, cache, positions)
+    got_y, got_cache = jax.jit(scanned.apply)(params, x, cache, positions)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no cache layer"):
+        KVSelfAttention(4, 2, 8).init(jax.random.key(0), x, cache, positions=positions)
