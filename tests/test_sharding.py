@@ -70,6 +70,17 @@ SCRIPT = textwrap.dedent(
             assert f"{what} does not split over mesh axes" in str(err), err
         else:
             raise AssertionError(what)
+    # A sharded sequence axis or head_dim that does not divide (review 57: JAX's IndivisibleError
+    # named the internal buffer): the same ValueError; one that divides is taken.
+    seq_spec = NamedSharding(layer_spec.mesh, P(None, None, "data"))
+    for bad, what in ((dict(max_length=37), "max_length (slots)=37"),):
+        try:
+            StaticCache.init(sharding=seq_spec, num_layers=1, batch_size=2, num_kv_heads=2, head_dim=8, **bad)
+        except ValueError as err:
+            assert f"{what} does not split over mesh axes" in str(err), err
+        else:
+            raise AssertionError(what)
+    StaticCache.init(sharding=seq_spec, num_layers=1, batch_size=2, num_kv_heads=2, head_dim=8, max_length=40)
     print("ok")
     """
 )

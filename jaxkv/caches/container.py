@@ -169,9 +169,18 @@ class KVCache:
             return make()
         spec = _one_layer_spec(sharding, cls.__name__)
         shape = jax.eval_shape(make)
-        # Rows and kv heads must split evenly (XLA's own error names the internal buffer).
-        sizes = {"batch_size": batch_size, "num_kv_heads": shape.stores[0].keys.shape[2]}
-        for (name, n), axes in zip(sizes.items(), spec[:2]):
+        # Rows and kv heads must split evenly, and every other sharded axis of every buffer
+        # (XLA's own error names the internal buffer: a sequence axis of 37 slots over 4
+        # devices was an IndivisibleError about [L, B, H, S, D]).
+        named = dict(zip(_SPEC_AXES, spec))
+        checks = [("batch_size", batch_size, spec[0]), ("num_kv_heads", shape.stores[0].keys.shape[2], spec[1])]
+        labels = {"seq": "max_length (slots)", "dim": "head_dim"}
+        for store in shape.stores:
+            for field, axes in type(store).LEAF_AXES.items():
+                for axis, n in zip(axes, getattr(store, field).shape):
+                    if axis in labels and named.get(axis) is not None:
+                        checks.append((labels[axis], n, named[axis]))
+        for name, n, axes in checks:
             names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
             devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
             if n % devices:
