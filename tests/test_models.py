@@ -468,3 +468,24 @@ def test_linen_attention_under_nn_scan_writes_each_layer():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no cache layer"):
         KVSelfAttention(4, 2, 8).init(jax.random.key(0), x, cache, positions=positions)
+
+
+def test_logits_at_outside_the_tokens():
+    """logits_at = T read NaN (take_along_axis's fill), -1 wrapped to the last token (padding in a
+    ragged row: num_new - 1 of a row with none), silently (review 57). Concrete: a ValueError;
+    traced: NaN for both."""
+    from flax import nnx
+
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.ones((2, 3), jnp.int32)
+    for bad in ([0, 3], [-1, 1]):
+        with pytest.raises(ValueError, match=r"logits_at must index the 3 tokens"):
+            model(ids, None, logits_at=jnp.asarray(bad))
+    graphdef, state = nnx.split(model)
+    traced = jax.jit(lambda s, at: nnx.merge(graphdef, s)(ids, None, logits_at=at)[0])
+    out = np.asarray(traced(state, jnp.asarray([-1, 1])))
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+    full = np.asarray(model(ids, None)[0])
+    np.testing.assert_allclose(out[1, 0], full[1, 1], rtol=1e-5, atol=1e-6)

@@ -739,7 +739,13 @@ class Llama(nnx.Module):
             if new.any():
                 dataclasses.replace(after, flags=jnp.asarray(new)).check()
         if logits_at is not None:
-            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)  # [B, 1, E]
+            at = jnp.asarray(logits_at)
+            if not isinstance(at, jax.core.Tracer) and at.size and not ((at >= 0) & (at < num_tokens)).all():
+                raise ValueError(f"Llama.__call__: logits_at must index the {num_tokens} tokens, [0, {num_tokens}), "
+                                 f"got {np.asarray(at).tolist()} (e.g. num_new - 1 of a row with no tokens)")
+            # traced: an index outside [0, T) reads NaN (take_along_axis fills), -1 no longer wraps to the last
+            at = jnp.where(at < 0, num_tokens, at).astype(jnp.int32)
+            x = jnp.take_along_axis(x, at[:, None, None], axis=1, mode="fill", fill_value=jnp.nan)  # [B, 1, E]
         x = self.norm(x)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
