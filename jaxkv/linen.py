@@ -62,7 +62,7 @@ class KVSelfAttention(nn.Module):
         ``layer_idx`` (an int or a traced int, e.g. an ``nn.scan`` step's layer) overrides
         the attribute; one of the two is required."""
         layer = self.layer_idx if layer_idx is None else layer_idx
-        if layer is None:
+        if layer is None and cache is not None:  # without a cache there is no layer to name, as in KVAttention
             raise ValueError("KVSelfAttention: no cache layer: set the layer_idx attribute or pass layer_idx= "
                              "to the call (under nn.scan over layers: the scanned layer index)")
         if cache is not None:
@@ -85,7 +85,7 @@ class KVSelfAttention(nn.Module):
         if rope is not None:
             q, k = rope(q), rope(k)
         out, cache = cache_attention(
-            q, k, v, cache, layer, positions=positions, num_new=num_new, sliding_window=self.sliding_window
+            q, k, v, cache, 0 if layer is None else layer, positions=positions, num_new=num_new, sliding_window=self.sliding_window
         )  # [B, Hq, T, D]
         y = nn.DenseGeneral(embed_dim, axis=(-2, -1), use_bias=False, name="o_proj")(out.transpose(0, 2, 1, 3))
         return y, cache

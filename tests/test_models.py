@@ -468,6 +468,23 @@ def test_linen_attention_under_nn_scan_writes_each_layer():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no cache layer"):
         KVSelfAttention(4, 2, 8).init(jax.random.key(0), x, cache, positions=positions)
+    KVSelfAttention(4, 2, 8).init(jax.random.key(0), x, None, positions=positions)  # no cache: no layer needed
+
+
+def test_a_layer_view_returned_from_jit_goes_to_attend_as_is():
+    """A ring's LayerView carried its window as a pytree leaf: returned from jit it was an
+    array, and attend refused it ("sliding_window must be a positive Python int", review 59)."""
+    from jaxkv import SlidingWindowCache
+    from jaxkv.attention import attend
+
+    cache = SlidingWindowCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=4, window=4)
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 2, 4)), jnp.float32)
+    _, eager = cache.update_view(k, k, 0)
+    _, jitted = jax.jit(lambda c: c.update_view(k, k, 0))(cache)
+    assert jitted.sliding_window == 4 and isinstance(jitted.sliding_window, int)
+    outs = [attend(k, v.keys, v.values, q_positions=cache.positions(2), kv_lengths=v.kv_lengths,
+                   kv_positions=v.kv_positions, sliding_window=v.sliding_window) for v in (eager, jitted)]
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=1e-6)
 
 
 def test_logits_at_outside_the_tokens():

@@ -218,4 +218,7 @@ def _register_view(cls: type, static: tuple[str, ...]) -> None:
 _register_view(ContiguousView, ("dtype",))
 _register_view(QuantizedView, ("bits", "dtype", "scale_dtype"))
 _register_view(PagedView, ("bits", "dtype", "scale_dtype"))
+# The window is a Python int attend() takes as such: as a leaf, a view returned from jit
+# carried it as an array, which attend refused (review 59).
+_register_view(LayerView, ("sliding_window",))
 
