@@ -89,7 +89,9 @@ def test_from_config_shapes_each_kind():
     assert cache.layer_types == (FULL, SLIDING, SLIDING, SLIDING)
     assert cache.full.keys.shape == (1, 3, 2, 40, 16) and cache.sliding.keys.shape == (3, 3, 2, 8, 16)
     assert cache.window == 6 and cache.full.dtype == jnp.bfloat16 and cache.get_max_length() == 40
-    del config["head_dim"]
+    del config["head_dim"]  # Qwen3Config's default, as the model reads it (this test said 32 // 4 before review 59)
+    assert HybridCache.from_config(config, batch_size=1, max_length=8).full.head_dim == 128
+    config["model_type"] = "qwen2"  # no head_dim of its own: hidden_size // num_attention_heads
     assert HybridCache.from_config(config, batch_size=1, max_length=8).full.head_dim == 32 // 4
 
 
@@ -402,3 +404,24 @@ def test_qwen_hybrid_greedy_tokens_equal_transformers(family, tmp_path):
     got, cache = greedy(loaded.model, ids, cache, 48)
     np.testing.assert_array_equal(got, hf_greedy(hf, ids, 48))
     assert cache.get_seq_length(0) == cache.get_seq_length(2) == 10 + 47
+
+
+def test_from_config_takes_the_models_defaults_for_left_out_keys():
+    """A config.json without head_dim (Qwen3: 128 in transformers) or num_key_value_heads
+    (Mistral: 8) gave HybridCache.from_config 64 and 16, a cache the model refused, while
+    LlamaConfig.from_hf took transformers' class defaults (review 59)."""
+    transformers = pytest.importorskip("transformers")
+    from jaxkv import HybridCache
+    from jaxkv.models import LlamaConfig
+
+    qwen3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, hidden_size=512, intermediate_size=64, vocab_size=100,
+                 use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    mistral = dict(architectures=["MistralForCausalLM"], model_type="mistral", num_hidden_layers=2,
+                   num_attention_heads=16, hidden_size=512, intermediate_size=64, vocab_size=100, sliding_window=16)
+    for cfg, cls in ((qwen3, transformers.Qwen3Config), (mistral, transformers.MistralConfig)):
+        hf = cls(**cfg)
+        cache = HybridCache.from_config(cfg, batch_size=1, max_length=32)
+        model = LlamaConfig.from_hf(cfg)
+        assert (cache.num_kv_heads, cache.head_dim) == (model.num_kv_heads, model.head_dim) == (
+            hf.num_key_value_heads, hf.head_dim)

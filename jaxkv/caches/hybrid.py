@@ -119,19 +119,21 @@ class HybridCache(KVCache):
         """A cache shaped for an HF decoder config (dict or ``PretrainedConfig``).
 
         The layer kinds come from :func:`jaxkv.models.layer_types_from_config`, the rule the
-        models use too; head_dim from ``head_dim`` or ``hidden_size // num_attention_heads``.
+        models use too; kv heads and head_dim by :func:`jaxkv.models.layer_types.attention_geometry`,
+        the models' rule too (a key the file leaves out is transformers' class default).
         """
         # The rule is pure Python (no flax): the one place that reads HF layer kinds.
-        from jaxkv.models.layer_types import layer_types_from_config
+        from jaxkv.models.layer_types import attention_geometry, layer_types_from_config
 
         cfg = config if isinstance(config, Mapping) else config.to_dict()
         types, window = layer_types_from_config(cfg)
         heads = cfg["num_attention_heads"]
+        kv_heads, head_dim = attention_geometry(cfg)  # the models' rule: a left-out key is the class default
         return cls.init(
             layer_types=types,
             batch_size=batch_size,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=kv_heads or heads,
+            head_dim=head_dim or cfg["hidden_size"] // heads,
             max_length=max_length,
             window=window,
             extra_slots=extra_slots,

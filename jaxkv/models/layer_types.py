@@ -35,6 +35,11 @@ _DEFAULTS = {
     "qwen2_moe": {"sliding_window": 4096, "max_window_layers": 28},
     "qwen3_moe": {"sliding_window": 4096},
 }
+# The same for the attention's geometry (null: the Llama rule, num_key_value_heads =
+# num_attention_heads, head_dim = hidden_size // num_attention_heads). Read by the models'
+# configs and by HybridCache.from_config, so a model and its cache always agree.
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _TYPE_OF_ARCHITECTURE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -44,6 +49,26 @@ _TYPE_OF_ARCHITECTURE = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+
+def _model_type(cfg: Mapping[str, Any]) -> str:
+    model_type = str(cfg.get("model_type") or "").lower()
+    if not model_type:
+        archs = cfg.get("architectures") or []
+        model_type = next((_TYPE_OF_ARCHITECTURE[a] for a in archs if a in _TYPE_OF_ARCHITECTURE), "")
+    return model_type
+
+
+def attention_geometry(config: Any) -> tuple[int | None, int | None]:
+    """``(num_kv_heads, head_dim)`` of an HF decoder config (dict or ``PretrainedConfig``) as
+    transformers reads it: a key left out takes the config class's default (Mistral 8 kv
+    heads, Qwen2/3 32, Qwen3 head_dim 128); None where the Llama rule applies (all heads,
+    hidden_size // num_attention_heads)."""
+    cfg = config if isinstance(config, Mapping) else config.to_dict()
+    model_type = _model_type(cfg)
+    kv_heads = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else _DEFAULT_KV_HEADS.get(model_type)
+    head_dim = cfg["head_dim"] if "head_dim" in cfg else _DEFAULT_HEAD_DIM.get(model_type)
+    return kv_heads, head_dim
 
 
 def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
@@ -80,10 +105,7 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
     num_layers = cfg.get("num_hidden_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"layer_types_from_config: num_hidden_layers must be an int >= 1, got {num_layers!r}.")
-    model_type = str(cfg.get("model_type") or "").lower()
-    if not model_type:
-        archs = cfg.get("architectures") or []
-        model_type = next((_TYPE_OF_ARCHITECTURE[a] for a in archs if a in _TYPE_OF_ARCHITECTURE), "")
+    model_type = _model_type(cfg)
     cfg = {**_DEFAULTS.get(model_type, {}), **cfg}  # a key left out means the class default, as in transformers
     window = cfg.get("sliding_window")
     qwen = model_type in _QWEN_TYPES

@@ -37,7 +37,7 @@ from flax import nnx
 from jaxkv._checks import check_token_ids
 from jaxkv.caches import DynamicCache, KVCache, StaticCache, check_cache
 from jaxkv.caches._checks import _check_sizes
-from jaxkv.models.layer_types import FULL, SLIDING, layer_types_from_config
+from jaxkv.models.layer_types import FULL, SLIDING, attention_geometry, layer_types_from_config
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
 __all__ = ["ARCHITECTURES", "Block", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "layer_plan", "rope_frequencies"]
@@ -55,11 +55,6 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-# What transformers' config classes assume for a key config.json leaves out (transformers 5.24;
-# the sliding-window keys: jaxkv.models.layer_types). A null value means the same as for Llama:
-# num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads.
-_DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32}
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 # transformers' config defaults for max_position_embeddings (what llama3 RoPE falls back to).
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768,
                           "Qwen3ForCausalLM": 32768}
@@ -242,8 +237,9 @@ class LlamaConfig:
         attention_bias = bool(hf.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         mlp_bias = bool(hf.get("mlp_bias", False)) and arch == "LlamaForCausalLM"
-        kv_heads = hf["num_key_value_heads"] if "num_key_value_heads" in hf else _DEFAULT_KV_HEADS.get(arch)
-        head_dim = hf["head_dim"] if "head_dim" in hf else _DEFAULT_HEAD_DIM.get(arch)
+        # what transformers' config classes assume for a key config.json leaves out (shared
+        # with HybridCache.from_config); a null value means the Llama rule
+        kv_heads, head_dim = attention_geometry({**hf, "model_type": MODEL_TYPES[arch]})
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
