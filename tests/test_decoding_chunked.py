@@ -126,7 +126,22 @@ def test_a_pool_that_runs_out_and_a_cache_of_another_batch_are_errors():
     assert int(roomy.seq_lengths(0)[0]) == 7 and not np.asarray(roomy.flags).any()
     with pytest.raises(ValueError, match="input_ids has 2 rows but the cache has 3; build the cache with batch_size=2"):
         chunked_prefill(model, _prompts([3, 2], 3), model.init_cache(3, CAPACITY), chunk_size=2)
-    from jaxkv import DynamicCache  # its own message still (the new flag check read .flags first)
+    from jaxkv import DynamicCache
 
-    with pytest.raises(ValueError, match="which DynamicCache does not track"):
+    with pytest.raises(TypeError, match="a DynamicCache cannot take chunks"):  # named up front since review 59
         chunked_prefill(model, _prompts([3], 3), DynamicCache(), chunk_size=2)
+
+
+def test_a_dynamic_cache_is_refused_by_name():
+    """chunked_prefill documented 'a jaxkv cache of any kind' and a DynamicCache failed with the
+    cache's own 'num_new ... for ragged batches' message, even for one full-length prompt
+    (review 59): now a TypeError naming why and the way out."""
+    from flax import nnx
+
+    from jaxkv import DynamicCache
+    from jaxkv.decoding import chunked_prefill
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="a DynamicCache cannot take chunks.*init_cache"):
+        chunked_prefill(model, np.asarray([[1, 2, 3, 4, 5]], np.int32), DynamicCache(num_layers=2), chunk_size=2)

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
-from jaxkv.caches import KVCache, check_cache
+from jaxkv.caches import DynamicCache, KVCache, check_cache
 from jaxkv.decoding._common import check_positive_int, forward, free_slots, logits_at, logits_width
 from jaxkv.generation import check_prompts
 
@@ -74,7 +74,8 @@ def chunked_prefill(
     Args:
         model: an ``nnx.Module`` decoder such as :class:`jaxkv.models.Llama`.
         input_ids: [B, P] prompts, right-padded when ragged.
-        cache: a jaxkv cache of any kind for the model with room for the prompts; each row's
+        cache: a preallocated jaxkv cache of any kind (not a DynamicCache, whose rows share
+            one length: a TypeError) for the model with room for the prompts; each row's
             prompt is appended at its current length.
         chunk_size: C, tokens per chunk (one compiled program per C).
         prompt_lengths: [B] real prompt length per row, in ``[1, P]``; default P.
@@ -106,6 +107,12 @@ def chunked_prefill(
         raise TypeError(f"{who}: return_logits must be True or False, got {return_logits!r}")
     return_logits = bool(return_logits)
     check_cache(cache, who)
+    if isinstance(cache, DynamicCache):  # its rows share one length: no per-row counts, no padded last chunk
+        raise TypeError(
+            f"{who}: a DynamicCache cannot take chunks: each chunk is written with per-row token counts (the last "
+            "one padded), and a DynamicCache's rows share one length. Use a preallocated cache "
+            "(model.init_cache(batch_size, max_length)), or call the model on the whole prompt."
+        )
     batch, prompt_len = input_ids.shape
     rows = getattr(cache, "batch_size", None)  # None: a DynamicCache, whose rows come with its first write
     if rows is not None and rows != batch:
