@@ -125,8 +125,17 @@ class CliError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse printing its errors as one line (``--top-k abc`` printed the whole usage block,
+    9 lines, where every other bad value is one line; review 59); exit status 2 as before."""
+
+    def error(self, message: str):
+        _note(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxkv", description="Key/value-cached decoding in JAX.")
+    parser = _OneLineParser(prog="jaxkv", description="Key/value-cached decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a continuation of a prompt")
     gen.add_argument("prompt", help="the text to continue")

@@ -420,3 +420,16 @@ def test_empty_paths_failed_saves_encodings_closed_stderr_and_abbreviations(tmp_
     parser = _parser()
     assert _attach_negative_values(["generate", "x", "--presence", "-1e-3"], parser.numeric_flags,
                                    parser.long_flags)[-1] == "--presence-penalty=-1e-3"
+
+
+@pytest.mark.parametrize("args", [["--top-k", "abc"], ["--seed", "1.5"], ["--no-such-flag"]])
+def test_argparse_errors_are_one_line_too(args, capsys):
+    """A value argparse itself refuses (not an int) printed its usage block, 9 lines, where the
+    README promises one line on stderr and status 2 (review 59)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "x = 1", *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(("jaxkv generate: error:", "jaxkv: error:")), captured.err
+    assert captured.out == ""
