@@ -173,6 +173,8 @@ def _check_repeats(repeats: Any, who: str) -> int:
         )
     if r < 1:
         raise ValueError(f"{who}: repeats must be >= 1, got {r}.")
+    if r > 2**31 - 1:  # a batch size: JAX's own error named an argument 'a' of a jitted computation
+        raise ValueError(f"{who}: repeats must be < 2**31 (it multiplies the batch size), got {r}.")
     return r
 
 
