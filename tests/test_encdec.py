@@ -336,3 +336,33 @@ def test_cross_views_zero_their_padding_and_an_integer_dtype_is_refused():
     np.testing.assert_array_equal(np.asarray(view.values)[0, 0, :2], np.ones((2, 2)))
     with pytest.raises(TypeError, match="dtype must be floating"):
         CrossAttentionCache.from_layers([(keys, values)], dtype=jnp.int32)
+
+
+def test_empty_entries_read_as_zero_after_reset_and_for_a_bad_traced_ring_layer():
+    """LayerView promises zeros where no token is: a reset cross row kept the old encoder
+    states (length 0), and a ring write with a traced layer outside [0, L) returned another
+    layer's values with length 0 (review 59). Attention was right (lengths mask them); a
+    user's own dense read was not."""
+    import jax
+
+    from jaxkv import SlidingWindowCache
+
+    cross = CrossAttentionCache.from_layers([(jnp.ones((2, 1, 4, 2)), jnp.full((2, 1, 4, 2), 7.0))])
+    cache = EncoderDecoderCache.create(
+        StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=8), cross)
+    view = cache.reset(jnp.asarray([True, False])).cross_view(0)
+    assert view.kv_lengths.tolist() == [0, 4]
+    np.testing.assert_array_equal(np.asarray(view.values[0]), 0)
+    np.testing.assert_array_equal(np.asarray(view.values[1]), 7)
+    np.testing.assert_array_equal(np.asarray(cache.reset().cross_view(0).keys), 0)
+    reordered = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.asarray([1, 5]))  # 5: a bad traced row
+    np.testing.assert_array_equal(np.asarray(reordered.cross_view(0).values[1]), 0)
+
+    ring = SlidingWindowCache.init(num_layers=2, batch_size=1, num_kv_heads=1, head_dim=2, window=4)
+    x = jnp.full((1, 1, 3, 2), 5.0)
+    for layer in (0, 1):
+        ring = ring.update(x, x, layer)[0]
+    _, bad = jax.jit(lambda c, layer: c.update_view(x, x, layer))(ring, jnp.int32(2))
+    assert bad.kv_lengths.tolist() == [0]
+    np.testing.assert_array_equal(np.asarray(bad.keys), 0)
+    np.testing.assert_array_equal(np.asarray(bad.values), 0)

@@ -76,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches._bits import from_bits, stored_dtype
+from jaxkv.caches.views import LayerView
 from jaxkv.caches._checks import (
     INVALID,
     OUT_OF_PAGES,
@@ -832,7 +833,11 @@ def _emptied_unless(view: Any, ok: Array) -> Any:
     layer index writes nothing, and the view a write returns (layer 0's buffers, read in its
     place) must then read as an empty layer, not as layer 0's tokens."""
     field = "kv_lengths" if hasattr(view, "kv_lengths") else "lengths"
-    return view._replace(**{field: jnp.where(ok, getattr(view, field), 0)})
+    view = view._replace(**{field: jnp.where(ok, getattr(view, field), 0)})
+    if isinstance(view, LayerView):  # dense arrays (a ring's): their empty entries read as zero too
+        view = view._replace(keys=jnp.where(ok, view.keys, jnp.zeros((), view.keys.dtype)),
+                             values=jnp.where(ok, view.values, jnp.zeros((), view.values.dtype)))
+    return view
 
 
 def memory_place(x: Any) -> tuple[int, str] | None:

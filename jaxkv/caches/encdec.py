@@ -129,9 +129,10 @@ class CrossAttentionCache:
     def _gather_rows(self, idx: Array) -> CrossAttentionCache:
         ok = (idx >= 0) & (idx < self.batch_size)
         safe = jnp.where(ok, idx, 0)
+        gone = ~ok[None, :, None, None, None]  # a bad traced index: an empty row, zeros as every empty entry
         return CrossAttentionCache(
-            keys=jnp.take(self.keys, safe, axis=1),
-            values=jnp.take(self.values, safe, axis=1),
+            keys=jnp.where(gone, 0, jnp.take(self.keys, safe, axis=1)).astype(self.keys.dtype),
+            values=jnp.where(gone, 0, jnp.take(self.values, safe, axis=1)).astype(self.values.dtype),
             lengths=jnp.where(ok, jnp.take(self.lengths, safe), 0),
             flags=jnp.where(ok, jnp.take(self.flags, safe), jnp.int32(INVALID)),
         )
@@ -146,8 +147,13 @@ class CrossAttentionCache:
         )
 
     def _reset(self, rows: Array) -> CrossAttentionCache:
+        # The states too: a view's entries past its length read as zero (LayerView's promise;
+        # the old encoder states stayed there, review 59). Only a reset pays for it.
+        gone = rows[None, :, None, None, None]
         return dataclasses.replace(
-            self, lengths=jnp.where(rows, 0, self.lengths), flags=jnp.where(rows, 0, self.flags)
+            self, keys=jnp.where(gone, 0, self.keys).astype(self.keys.dtype),
+            values=jnp.where(gone, 0, self.values).astype(self.values.dtype),
+            lengths=jnp.where(rows, 0, self.lengths), flags=jnp.where(rows, 0, self.flags)
         )
 
 
