@@ -407,7 +407,7 @@ def from_pretrained(
     Args:
         path: directory with ``config.json``, ``model.safetensors`` (or a sharded
             ``model.safetensors.index.json``) and optionally ``tokenizer.json``.
-        dtype: parameter dtype, ``jnp.float32`` or ``jnp.bfloat16``; weights are converted.
+        dtype: parameter dtype, ``jnp.float32``, ``jnp.bfloat16`` or ``jnp.float16``; weights are converted.
         scan_layers: the model's layer layout (see :class:`~jaxkv.models.llama.Llama`):
             True stacks the per-layer tensors and scans them, False keeps one block per
             layer; None: one block per layer on the CPU and on a GPU (faster steps there,
