@@ -506,3 +506,19 @@ def test_logits_at_outside_the_tokens():
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
     full = np.asarray(model(ids, None)[0])
     np.testing.assert_allclose(out[1, 0], full[1, 1], rtol=1e-5, atol=1e-6)
+
+
+def test_init_cache_refuses_options_of_another_kind():
+    """kind="static", bits=4 built a float cache; residual_length with paged, extra_slots with
+    quantized: ignored, silently (review 59). Each option belongs to its kinds."""
+    from flax import nnx
+
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    for kind, options in [("static", dict(bits=4)), ("paged", dict(residual_length=32)),
+                          ("quantized", dict(extra_slots=3)), ("static", dict(page_size=8, num_pages=4))]:
+        with pytest.raises(ValueError, match=f"do\\(es\\) not apply to kind='{kind}'"):
+            model.init_cache(2, 16, kind=kind, **options)
+    assert model.init_cache(2, 16, kind="quantized", bits=4).bits == 4
+    assert model.init_cache(2, 16, kind="paged-quantized", bits=4, page_size=8).page_size == 8

@@ -360,7 +360,7 @@ class PagedEngine:
         self._graphdef, self._state = nnx.split(model)
         self._cache = model.init_cache(
             self.max_rows, self.max_length, dtype=cache_dtype, kind="paged" if bits is None else "paged-quantized",
-            bits=bits or 8, page_size=self.page_size, num_pages=self.num_pages,
+            bits=bits, page_size=self.page_size, num_pages=self.num_pages,
         )
         self.max_pages = self._cache.max_pages
         self._buckets = sorted({min(4**i, self.max_rows) for i in range(16) if 4 ** (i - 1) < self.max_rows} | {self.max_rows})

@@ -570,11 +570,11 @@ class Llama(nnx.Module):
         *,
         dtype: Any = None,
         kind: str = "static",
-        bits: int = 8,
-        residual_length: int = 0,
-        extra_slots: int = 0,
+        bits: int | None = None,
+        residual_length: int | None = None,
+        extra_slots: int | None = None,
         sharding: Any = None,
-        page_size: int = 16,
+        page_size: int | None = None,
         num_pages: int | None = None,
     ) -> Any:
         """An empty cache for this model; keys/values in the parameter dtype by default.
@@ -590,19 +590,37 @@ class Llama(nnx.Module):
                 (a :class:`~jaxkv.caches.PagedCache`: pages of ``page_size`` tokens from a
                 pool of ``num_pages`` shared by the rows, forks share pages) or
                 ``"paged-quantized"`` (the same with int8 / int4 pages, see ``bits``).
-            bits: 8 or 4, for ``kind="quantized"`` and ``"paged-quantized"``.
-            residual_length: recent tokens kept in full precision, for ``kind="quantized"``.
+            bits: 8 (default) or 4, for ``kind="quantized"`` and ``"paged-quantized"``.
+            residual_length: recent tokens kept in full precision, for ``kind="quantized"``
+                (default 0). An option of another kind is a ValueError.
             extra_slots: ring slots beyond the window, for ``kind="hybrid"``: how many
                 tokens a ``crop`` may roll back once a window is full (speculative decoding).
             sharding: optional ``NamedSharding`` of one layer's ``[B, H, S, D]`` (every kind).
-            page_size, num_pages: for the paged kinds (default pool: every row at
+            page_size, num_pages: for the paged kinds (default 16 tokens a page; pool: every row at
                 ``max_length``).
 
         Raises:
-            ValueError: an unknown kind, or ``"hybrid"`` for a config without sliding layers.
+            ValueError: an unknown kind, ``"hybrid"`` for a config without sliding layers, or
+                an option of another kind (``kind="static", bits=4`` built a float cache,
+                silently).
         """
         dtype = self.dtype if dtype is None else dtype
         spec = self.cache_spec
+        given = {name: value for name, value in (("bits", bits), ("residual_length", residual_length),
+                                                  ("extra_slots", extra_slots), ("page_size", page_size),
+                                                  ("num_pages", num_pages)) if value is not None}
+        takes = {"static": (), "hybrid": ("extra_slots",), "quantized": ("bits", "residual_length"),
+                 "paged": ("page_size", "num_pages"), "paged-quantized": ("bits", "page_size", "num_pages")}
+        if kind in takes and (foreign := sorted(set(given) - set(takes[kind]))):
+            raise ValueError(
+                f"Llama.init_cache: {', '.join(foreign)} do(es) not apply to kind={kind!r} (it takes "
+                f"{', '.join(takes[kind]) or 'none of bits, residual_length, extra_slots, page_size, num_pages'}); "
+                "pick the kind the option is for"
+            )
+        bits = 8 if bits is None else bits
+        residual_length = 0 if residual_length is None else residual_length
+        extra_slots = 0 if extra_slots is None else extra_slots
+        page_size = 16 if page_size is None else page_size
         if kind == "static":
             return init_cache(spec, batch_size, max_length, dtype=dtype, sharding=sharding)
         if kind == "hybrid":
