@@ -165,13 +165,9 @@ def blockwise_attend(
     )
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     why_not = None if implementation == "xla" else _kernel_unsuitable(queries, kv_dtype)
-    options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
-    to_dense = dense_equivalent(lambda k, v, layer, kv_len: ContiguousView(k, v, layer, kv_len, kv_dtype or k.dtype),
-                                **options)
-
-    def dense(queries, keys, values, layer, q_pos, kv_len):
-        return to_dense(queries, q_pos, keys, values, layer, kv_len)
-
+    dense = dense_equivalent(
+        lambda k, v, layer, q_pos, kv_len: (ContiguousView(k, v, layer, kv_len, kv_dtype or k.dtype), q_pos),
+        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     return _nan_unless(layer_ok, _select("blockwise_attend", implementation, why_not, xla, kernel, args, scale=scale,
                                          dense=dense))
 
@@ -228,15 +224,16 @@ _QUANTIZED_ARGS = ("keys", "values", "key_scales", "value_scales", "residual_key
 
 
 def dense_equivalent(view_of, *, sliding_window, logit_softcap, scale):
-    """``f(queries, q_positions, *arrays)``: the same attention as the blockwise paths, by
-    :func:`jaxkv.attention.attend` over ``view_of(*arrays).dense()`` (the layer read whole,
-    unfilled slots zeroed). Derivatives come from it: the XLA loop's ``while`` loops have
+    """``f(queries, *args)``: the same attention as the blockwise paths, by
+    :func:`jaxkv.attention.attend` over ``view.dense()`` (the layer read whole, unfilled
+    slots zeroed), where ``view, q_positions = view_of(*args)``. Derivatives come from it: the XLA loop's ``while`` loops have
     traced trip counts, which reverse mode cannot transpose (``jax.grad`` under ``jit``
     failed as soon as a cache held more than one loop block, review 57)."""
     from jaxkv.attention.dense import attend  # dense imports this module
 
-    def f(queries, q_positions, *arrays):
-        layer = view_of(*arrays).dense()
+    def f(queries, *args):
+        view, q_positions = view_of(*args)
+        layer = view.dense()
         return attend(queries, layer.keys, layer.values, q_positions=q_positions, kv_lengths=layer.kv_lengths,
                       kv_positions=layer.kv_positions, sliding_window=sliding_window, logit_softcap=logit_softcap,
                       scale=scale)
@@ -712,13 +709,9 @@ def quantized_blockwise_attend(
     kernel = partial(_kernel_call, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale,
                      bits=view.bits)
     why_not = None if implementation == "xla" else _quantized_kernel_unsuitable(queries, view)
-    to_dense = dense_equivalent(lambda *arrays: view._replace(**dict(zip(_QUANTIZED_ARGS, arrays))),
-                                sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
-
-    def dense(queries, *rest):
-        *arrays, q_pos, kv_len = rest
-        return to_dense(queries, q_pos, *arrays, kv_len)
-
+    dense = dense_equivalent(  # args after the queries: the view's arrays, q_pos before the lengths
+        lambda *rest: (view._replace(**dict(zip(_QUANTIZED_ARGS, rest[:-2] + rest[-1:]))), rest[-2]),
+        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     return _nan_unless(layer_ok, _select("quantized_blockwise_attend", implementation, why_not, xla, kernel, args,
                                          scale=scale, dense=dense))
 
@@ -875,11 +868,10 @@ def paged_blockwise_attend(
     names = (("keys", "values", "key_scales", "value_scales") if view.bits else ("keys", "values")) + (
         "layer", "q_pos", "lengths", "block_table")
 
-    def dense(queries, *arrays):
+    def paged_view(*arrays):
         named = dict(zip(names, arrays))
-        q_pos = named.pop("q_pos")
-        return dense_equivalent(lambda: view._replace(**named), sliding_window=sliding_window,
-                                logit_softcap=logit_softcap, scale=scale)(queries, q_pos)
+        return view._replace(**{k: v for k, v in named.items() if k != "q_pos"}), named["q_pos"]
 
+    dense = dense_equivalent(paged_view, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     return _nan_unless(layer_ok, _select("paged_blockwise_attend", implementation, why_not, xla, kernel, args,
                                          scale=scale, dense=dense))

@@ -342,7 +342,7 @@ def pallas_attend_view(
 
     # derivatives (rarely wanted in decode) from the same attention over the layer read whole,
     # which reverse mode differentiates at any length (the XLA loop's traced trip counts it cannot)
-    dense = dense_equivalent(lambda *arrays: rebuild(arrays), sliding_window=sliding_window,
+    dense = dense_equivalent(lambda q_pos, *arrays: (rebuild(arrays), q_pos), sliding_window=sliding_window,
                              logit_softcap=logit_softcap, scale=scale)
     attend.defjvp(lambda primals, tangents: jax.jvp(dense, primals, tangents))
 
