@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
+from jaxkv.caches.container import spec_axis_devices
 from jaxkv.generation import GenerateOutput
 
 __all__ = [
@@ -107,21 +108,13 @@ def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(names[:-1]) if names and names[-1] == "value" else tuple(names)
 
 
-def _axis_size(mesh: Mesh, axis: Any) -> int:
-    """Devices along a PartitionSpec entry: one mesh axis, or a tuple of them."""
-    size = 1
-    for name in axis if isinstance(axis, tuple) else (axis,):
-        size *= mesh.shape[name]
-    return size
-
-
 def _spec_for(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules) -> P:
     for suffix, trailing in rules:
         if names[-len(suffix):] != tuple(suffix) or len(trailing) > len(shape):
             continue
         spec = (None,) * (len(shape) - len(trailing)) + tuple(trailing)
         # An axis the mesh does not divide stays whole (correct, just not split).
-        spec = tuple(a if a is None or shape[i] % _axis_size(mesh, a) == 0 else None for i, a in enumerate(spec))
+        spec = tuple(a if a is None or shape[i] % spec_axis_devices(mesh, a) == 0 else None for i, a in enumerate(spec))
         return P(*spec)
     return P()
 

@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.caches._checks import INVALID, OUT_OF_PAGES
-from jaxkv.caches.container import KVCache, _fitted_spec, _tree_shardings, memory_place, place_sharding
+from jaxkv.caches.container import KVCache, _fitted_spec, _tree_shardings, memory_place, place_sharding, spec_axis_devices
 from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 
 __all__ = [
@@ -422,7 +422,7 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
                 spec = _fitted_spec(sharding, node._name, node.batch_size)
                 axes = spec[1] if len(spec) > 1 else None  # kv heads must split evenly (rows fall back)
                 names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-                devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
+                devices = spec_axis_devices(sharding.mesh, axes)
                 heads = node.stores[0].keys.shape[2] if node.stores else None
                 if heads is not None and heads % devices:
                     raise ValueError(

@@ -183,7 +183,7 @@ class KVCache:
                         checks.append((labels[axis], n, named[axis]))
         for name, n, axes in checks:
             names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-            devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
+            devices = spec_axis_devices(sharding.mesh, axes)
             if n % devices:
                 raise ValueError(
                     f"{cls.__name__}.init: {name}={n} does not split over mesh axes {names} ({devices} devices) "
@@ -799,6 +799,12 @@ def _one_layer_spec(sharding: Any, who: str) -> tuple:
     return spec + (None,) * (4 - len(spec))
 
 
+def spec_axis_devices(mesh: Any, axes: Any) -> int:
+    """Devices along one PartitionSpec entry: None (1), a mesh axis name, or a tuple of them."""
+    names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
 def _fitted_spec(sharding: Any, who: str, batch_size: int) -> tuple:
     """The one-layer spec of ``sharding`` for a cache of ``batch_size`` rows: rows replicated
     when they do not divide the axes that split them (a row op such as
@@ -806,10 +812,8 @@ def _fitted_spec(sharding: Any, who: str, batch_size: int) -> tuple:
     cache out this way)."""
     spec = _one_layer_spec(sharding, who)
     batch_axis = spec[0]
-    if batch_axis is not None:
-        axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
-        if batch_size % int(np.prod([sharding.mesh.shape[a] for a in axes])):
-            spec = (None,) + spec[1:]
+    if batch_axis is not None and batch_size % spec_axis_devices(sharding.mesh, batch_axis):
+        spec = (None,) + spec[1:]
     return spec
 
 
