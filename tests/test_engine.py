@@ -42,23 +42,29 @@ def test_greedy_matches_the_uncached_reference_with_prefix_hits_and_preemption(m
     # Compile counts below are this run's own: programs an earlier test of this worker
     # compiled for the same model and sizes would be reused (and counted 0; order-dependent).
     _step_program.clear_cache()
-    eng = engine(model)
+    eng = engine(model, num_pages=7)
     # Request 3 arrives late: the shared pages are indexed by then.
     reqs = [EngineRequest(p, N, arrival=(6 if i == 3 else 0)) for i, p in enumerate(PROMPTS)]
     out = eng.run(reqs)
     assert [list(r.tokens) for r in out] == reference
-    assert out[3].cached_tokens == 8 and out[2].cached_tokens == 0
+    # Request 3 extends request 0's 12-token prompt: all three of its full pages are reused
+    # (the last one too, though request 0 ends on it: review 59).
+    assert out[3].cached_tokens == 12 and out[2].cached_tokens == 0
     assert eng.stats["preemptions"] > 0 and sum(r.preemptions for r in out) == eng.stats["preemptions"]
     assert all(r.finish_reason == "length" for r in out)
     compiled = eng.compile_counts
     # Busy-row buckets 1 and 3 (R), decode (1 token) and mixed (C = 4): at most 4 programs.
     assert set(compiled) <= {"step1x1", "step1x4", "step3x1", "step3x4"} and max(compiled.values()) == 1
-    cold = engine(model, prefix_cache=False)
+    cold = engine(model, num_pages=7, prefix_cache=False)
     assert [list(r.tokens) for r in cold.run(reqs)] == reference
     assert eng.stats["prefill_tokens"] < cold.stats["prefill_tokens"]
     # Same model and sizes: programs are shared (the cold run compiles only shapes the
     # first run did not need).
     assert not set(cold.compile_counts) & set(compiled)
+    # The same 12-token prompt again: its last page is indexed but recomputed (the last
+    # token's logits start generation), the two before it are reused.
+    again = eng.run([EngineRequest(PROMPTS[0], N)])[0]
+    assert list(again.tokens) == reference[0] and again.cached_tokens == 8
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(model):
@@ -257,10 +263,10 @@ def test_stop_tokens_and_streaming(model, reference):
 
 
 def _tight_engine(model, free_left):
-    """An engine whose index holds PROMPTS[0]'s two full pages and whose other pages are all
-    pinned from outside but ``free_left``."""
+    """An engine whose index holds SHARED's two full pages (the first two of PROMPTS[0], 1
+    and 3) and whose other pages are all pinned from outside but ``free_left``."""
     eng = engine(model)
-    eng.run([EngineRequest(PROMPTS[0], N)])
+    eng.run([EngineRequest(SHARED, 1)])
     refcount = np.asarray(eng._cache.refcount)
     free = [p for p in range(eng._cache.num_pages) if refcount[p] == 0]
     eng._cache = eng._cache.retain(free[: len(free) - free_left])
@@ -284,10 +290,10 @@ def test_admission_keeps_the_prefix_pages_it_matched(model, reference):
 
 
 def test_evicting_a_prefix_page_drops_the_pages_after_it(model, reference):
-    """A lookup walks a chain from its first page: evicting page 0 of PROMPTS[0]'s indexed
+    """A lookup walks a chain from its first page: evicting page 0 of SHARED's indexed
     chain made page 1 unreachable, yet it stayed pinned (pool space no request could use)
     until LRU reached it too. Now the pages after an evicted one go with it."""
-    eng = _tight_engine(model, free_left=0)  # index: PROMPTS[0]'s pages 0 -> 1; nothing else free
+    eng = _tight_engine(model, free_left=0)  # index: SHARED's pages 0 -> 1; nothing else free
     out = eng.run([EngineRequest(PROMPTS[2], 2)])  # 3 + 2 tokens: 1 page, taken from the index
     assert [list(r.tokens) for r in out] == [reference[2][:2]]
     assert (eng.stats["evicted_pages"], len(eng.prefix)) == (2, 0)

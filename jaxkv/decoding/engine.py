@@ -551,10 +551,13 @@ class PagedEngine:
                 i = waiting.popleft()
                 request = requests[i]
                 prompt = list(request.prompt) + generated[i]
-                # Keep the last token out of the cache lookup: its logits start generation.
-                keys = self.prefix.keys_of(prompt[:-1]) if self.prefix is not None else []
-                hit = self.prefix.lookup(keys) if self.prefix is not None else []
-                if len(hit) < len(keys) and keys[len(hit)] in in_flight:
+                # Every full page of the prompt is offered to the index once written, but the
+                # lookup keeps the last token out: its logits start generation, so a prompt
+                # that ends on a page boundary recomputes that page (an extension reuses it).
+                keys = self.prefix.keys_of(prompt) if self.prefix is not None else []
+                usable = min(len(keys), (len(prompt) - 1) // ps)
+                hit = self.prefix.lookup(keys[:usable]) if self.prefix is not None else []
+                if len(hit) < usable and keys[len(hit)] in in_flight:
                     deferred.append(i)  # another row is writing that page: reuse it next step
                     continue
                 need = pages_for(len(prompt) + 1) - len(hit)
