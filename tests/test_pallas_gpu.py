@@ -540,7 +540,9 @@ def test_a_very_negative_query_position_with_a_large_window():
     q = rng.standard_normal((2, 1, 2, 16)).astype(np.float32)
     view = ContiguousView(jnp.asarray(k), jnp.asarray(v), jnp.int32(0), jnp.asarray(lengths, jnp.int32), jnp.float32)
     for q_pos, window in [([[-3, 20], [-1, 19]], 2**31 - 1), ([[-2**31, 20], [-2**31, 5]], 8),
-                          ([[0, 31], [2**31 - 1, 7]], 2**31 - 1), ([[-3, 20], [-1, 19]], 2**31 + 5)]:
+                          ([[0, 31], [2**31 - 1, 7]], 2**31 - 1), ([[-3, 20], [-1, 19]], 2**31 + 5),
+                          # wider than int32: a query at 2**31 - 1 still sees slot 0 (review 55)
+                          ([[2**31 - 1, 20], [2**31 - 1, 7]], 2**31)]:
         q_pos = np.array(q_pos, np.int32)
         want = contract_reference(q, k[0], v[0], q_pos, lengths, window)
         got = run(q, view, q_pos, sliding_window=window, num_splits=2, block_k=16)

@@ -316,8 +316,10 @@ def pallas_attend_view(
         num_splits = max(1, min(max_splits, 64, -(-512 // (batch * num_kv_heads))))
     if not isinstance(num_splits, int) or not 1 <= num_splits <= max_splits:
         raise ValueError(f"pallas_attend_view: num_splits must be an int in [1, {max_splits}], got {num_splits!r}.")
-    # a window wider than int32 sees every slot a window of 2**31 - 1 does (positions are int32)
-    options = jnp.array([0 if sliding_window is None else min(sliding_window, 2**31 - 1)], jnp.int32)
+    # positions are int32, so a window wider than 2**31 - 1 hides nothing: none (a clamp to
+    # 2**31 - 1 hid slot 0 from a query at 2**31 - 1)
+    wide = sliding_window is None or sliding_window > 2**31 - 1
+    options = jnp.array([0 if wide else sliding_window], jnp.int32)
     floats = jnp.array([head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0], jnp.float32)
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if not isinstance(value, int) or not 1 <= value <= 16 or (name == "num_warps" and value & (value - 1)):
