@@ -559,6 +559,10 @@ class TokenStream:
     folded with the step number). ``cache`` and ``done`` follow the iteration that last
     produced a token; the caches of earlier iterations were donated to their decode calls
     and are gone.
+
+    The stream holds the model's weights as they were when it was built: a later change to
+    the model (a training step, ``nnx.update``) is not seen by it, nor by a new ``iter()``;
+    call :func:`stream` again for the new weights.
     """
 
     def __init__(
