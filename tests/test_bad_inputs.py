@@ -235,6 +235,13 @@ def test_stream_iterated_again_starts_over_from_the_prompt(model):
     # Two live iterations do not share a cache either.
     a, b = iter(s), iter(s)
     np.testing.assert_array_equal(np.stack([next(a), next(a), next(b), next(b)]), np.stack([once[:, 0], once[:, 1]] * 2))
+    # The stream keeps the weights it was built with (documented): a later change to the
+    # model is not seen by a new iteration.
+    clone = nnx.clone(model)
+    kept = stream(clone, CLEAN, 6, prompt_lengths=prompt_lengths)
+    nnx.update(clone, jax.tree.map(jnp.zeros_like, nnx.state(clone, nnx.Param)))
+    np.testing.assert_array_equal(np.stack(list(kept), axis=1), first)
+    assert (np.stack(list(stream(clone, CLEAN, 6, prompt_lengths=prompt_lengths)), axis=1) == 0).all()  # zero weights: token 0
 
 
 def test_check_inside_jit_and_to_dynamic_of_ragged_rows_say_what_to_do():
