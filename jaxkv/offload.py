@@ -135,12 +135,12 @@ def _host_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Array:
 
 
 def _device_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Array:
-    """Zeros in ``device``'s own memory. Every leaf of a cache made for a ``device=`` that is
-    not the default one must live there: its host buffers are on that device, and an op
-    mixing them with leaves on the default device is refused by JAX."""
-    if _tracing() or not isinstance(device, jax.Device) or device == jax.devices()[0]:
-        return jnp.zeros(shape, dtype)  # the default device: left uncommitted, as before
-    return jax.device_put(jnp.zeros(shape, dtype), device)
+    """Zeros committed to ``device``, like the host buffers beside them: a leaf on another
+    device is refused by JAX in an op with them, and an uncommitted leaf made a jitted step
+    compile twice (its first output, committed, was a new input signature)."""
+    if _tracing() or not isinstance(device, jax.Device):  # (a stand-in device of the tests)
+        return jnp.zeros(shape, dtype)
+    return jax.device_put(np.zeros(shape, dtype), device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,6 +172,10 @@ def test_donated_decode_step_copies_layers_not_the_cache(model):
     assert re.search(r"f32\[2,2,2,64,16\]\{4,3,2,1,0:S\(5\)\}", hlo)  # host memory space in the layout
     _, cache = step(state, jnp.array([1, 2]), cache)
     _assert_memory_kinds(cache)
+    # The step's own output is the same input signature as the fresh cache: one program
+    # (the init's staged leaves were uncommitted beside committed host buffers: two).
+    _, cache = step(state, jnp.array([3, 4]), cache)
+    assert step._cache_size() == 1
     assert step_copy_bytes(cache) == {"to_device": 2 * 2 * 2 * 2 * 64 * 16 * 4, "to_host": 2 * 2 * 2 * 2 * 16 * 4}
 
 
