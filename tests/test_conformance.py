@@ -464,7 +464,7 @@ def test_donated_decode_step_compiles_once_and_copies_nothing(kind):
         cache = jitted(cache, k)
         assert all(x.is_deleted() for x in jax.tree.leaves(old))
     np.testing.assert_array_equal(lengths_of(cache), before + 3)  # three fill levels...
-    assert len(traces) == 1  # ...one program
+    assert len(traces) == 1 and jitted._cache_size() == 1  # ...one program (traced and compiled once)
     # Every buffer was written in place: XLA aliased each donated leaf to its output...
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)] == pointers
     # ...and the program copies none of them on the way (a pass-through cond, a slice then
