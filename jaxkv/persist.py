@@ -249,6 +249,27 @@ def _host(x: Any, path: str) -> np.ndarray:
     return np.asarray(x)
 
 
+def _check_leaves(names: list[str], leaves: list[Any], who: str) -> None:
+    """Every leaf a concrete array of numbers or booleans, or a named error saying what to do."""
+    for name, leaf in zip(names, leaves):
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(
+                f"{who}: leaf {name} is traced (inside jit, vmap or scan); save the cache the jitted "
+                "function returns, outside it."
+            )
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"{who}: leaf {name} is a typed PRNG key array ({dtype}); save jax.random.key_data(key) "
+                "and rebuild the key with jax.random.wrap_key_data after loading."
+            )
+        if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+            raise TypeError(
+                f"{who}: leaf {name} is a {type(leaf).__name__} of dtype {dtype}; a cache file holds "
+                "arrays of numbers or booleans only (keep other values outside the saved tree)."
+            )
+
+
 def _file_array(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     return a if a.dtype in _NATIVE else a.view(_UINT[a.dtype.itemsize])
@@ -284,11 +305,13 @@ def _atomic_target(path: str) -> tuple[str, str]:
     return directory, tmp
 
 
-def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.ndarray] | None = None) -> None:
+def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.ndarray] | None = None,
+                       who: str = "save_cache") -> None:
     st = _require("safetensors.numpy")
     path = os.fspath(path)
     leaves = jax.tree.leaves(tree)
     names = _leaf_names(tree)
+    _check_leaves(names, leaves, who)
     arrays, described = {}, []
     for name, leaf in zip(names, leaves):
         a = _host(leaf, path)
@@ -586,6 +609,7 @@ def _save_orbax(path: str, cache: Any) -> None:
     ocp = _require("orbax.checkpoint")
     leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
+    _check_leaves(names, leaves, "save_cache")
     described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)}
                  | ({"memory": list(memory_place(x))} if memory_place(x) else {})
                  | ({"crc32": _array_crc(x)} if _addressable(x) else {}) for n, x in zip(names, leaves)]
@@ -881,7 +905,7 @@ def save_sequence(
     ))
     header = {"format": _SEQUENCE, "model_fingerprint": str(model_fingerprint), "dtype": jnp.dtype(cache.dtype).name,
               "num_tokens": n}
-    _write_safetensors(path, one, header, {_TOKEN_IDS: ids.astype(np.int32)})
+    _write_safetensors(path, one, header, {_TOKEN_IDS: ids.astype(np.int32)}, who="save_sequence")
 
 
 def load_sequence(

@@ -663,6 +663,22 @@ def test_like_and_sharding_together_are_refused(tmp_path):
         load_cache(tmp_path / "c", like=cache, sharding=device)
 
 
+def test_leaves_that_are_not_numeric_arrays_are_named_errors(tmp_path):
+    """A string leaf was KeyError: 12 from inside the writer; a typed PRNG key and a traced
+    cache were JAX's errors without the leaf's name. Nothing is written for them."""
+    cache = make("static", max_length=4)
+    formats = ["safetensors"] + (["orbax"] if importlib.util.find_spec("orbax") else [])
+    for fmt in formats:
+        path = tmp_path / fmt
+        with pytest.raises(TypeError, match=r"leaf \['note'\] is a str of dtype <U2; a cache file holds arrays"):
+            save_cache(path, {"cache": cache, "note": "hi"}, format=fmt)
+        with pytest.raises(TypeError, match=r"leaf \['key'\] is a typed PRNG key .*jax.random.key_data"):
+            save_cache(path, {"cache": cache, "key": jax.random.key(0)}, format=fmt)
+        assert not path.exists()
+    with pytest.raises(TypeError, match=r"leaf .* is traced \(inside jit"):
+        jax.jit(lambda c: save_cache(tmp_path / "t", c))(cache)
+
+
 def test_64_bit_leaves_without_x64_load_only_when_nothing_is_lost(tmp_path):
     """A pytree with int64 / float64 NumPy leaves loaded without x64: the integers wrapped
     and the floats rounded to float32 silently (and Orbax called the good file corrupt).
