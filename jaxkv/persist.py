@@ -270,6 +270,12 @@ def _check_leaves(names: list[str], leaves: list[Any], who: str) -> None:
             )
 
 
+def _as_array(x: Any) -> Any:
+    """An array leaf as it is; a Python number (a step count) as the array JAX makes of it
+    (int32 / float32 without x64), so both formats save it alike and it loads back, like= too."""
+    return x if hasattr(x, "dtype") else np.asarray(jnp.asarray(x))
+
+
 def _file_array(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     return a if a.dtype in _NATIVE else a.view(_UINT[a.dtype.itemsize])
@@ -312,6 +318,7 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
     leaves = jax.tree.leaves(tree)
     names = _leaf_names(tree)
     _check_leaves(names, leaves, who)
+    leaves = [_as_array(x) for x in leaves]
     arrays, described = {}, []
     for name, leaf in zip(names, leaves):
         a = _host(leaf, path)
@@ -595,6 +602,7 @@ def _check_like(path: str, header: dict, abstract: Any, like: Any) -> None:
 
     for meta, leaf in zip(header["leaves"], jax.tree.leaves(like)):
         shape, dtype = tuple(meta["shape"]), jnp.dtype(meta["dtype"])
+        leaf = _as_array(leaf)
         if dtype != leaf.dtype or sizes(shape) != sizes(tuple(leaf.shape)):
             raise CacheFileError(
                 f"{path}: array {meta['name']} is {dtype.name}{list(shape)} in the file, like= has "
@@ -610,6 +618,7 @@ def _save_orbax(path: str, cache: Any) -> None:
     leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
     _check_leaves(names, leaves, "save_cache")
+    leaves = [_as_array(x) for x in leaves]
     described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)}
                  | ({"memory": list(memory_place(x))} if memory_place(x) else {})
                  | ({"crc32": _array_crc(x)} if _addressable(x) else {}) for n, x in zip(names, leaves)]

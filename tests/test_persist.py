@@ -679,6 +679,19 @@ def test_leaves_that_are_not_numeric_arrays_are_named_errors(tmp_path):
         jax.jit(lambda c: save_cache(tmp_path / "t", c))(cache)
 
 
+def test_python_number_leaves_load_back_in_both_formats_and_with_like(tmp_path):
+    """like= with a Python int leaf was AttributeError ('int' object has no attribute
+    'dtype'); Orbax could not save one (review 62)."""
+    tree = {"cache": make("static", max_length=4), "step": 3, "scale": 0.5}
+    formats = ["safetensors"] + (["orbax"] if importlib.util.find_spec("orbax") else [])
+    for fmt in formats:
+        save_cache(tmp_path / fmt, tree, format=fmt)
+        for back in (load_cache(tmp_path / fmt), load_cache(tmp_path / fmt, like=tree)):
+            assert int(back["step"]) == 3 and float(back["scale"]) == 0.5, fmt
+        with pytest.raises(CacheFileError, match=r"array .*step.* is int32\[\] in the file, like= has float32\[\]"):
+            load_cache(tmp_path / fmt, like={**tree, "step": 3.0})
+
+
 def test_64_bit_leaves_without_x64_load_only_when_nothing_is_lost(tmp_path):
     """A pytree with int64 / float64 NumPy leaves loaded without x64: the integers wrapped
     and the floats rounded to float32 silently (and Orbax called the good file corrupt).
