@@ -587,3 +587,31 @@ def test_mixed_dtype_dynamic_layers_round_trip_and_torch_bfloat16_is_named():
     t = torch.ones((1, 1, 2, 4), dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"key_states \(Tensor\) could not be read as an array.*tensor.float\(\)"):
         DynamicCache.from_legacy_cache([(t, t)])
+
+
+def test_a_transformers_cache_converts_and_bad_dynamic_layers_are_named():
+    """transformers 5 iterates (keys, values, sliding window) per layer: from_legacy_cache(
+    hf_cache) said "got 3 items", and a forward pass's tensors (requires_grad) were torch's
+    RuntimeError. A full layer converts (values exact), a sliding one is refused with why.
+    DynamicCache(2) / DynamicCache(config) / a dict built a cache of nonsense layers (review 63)."""
+    torch = pytest.importorskip("torch")
+    k = torch.randn(1, 2, 3, 4, requires_grad=True)
+    v = k * 2  # a non-leaf tensor that requires grad, as a forward pass returns
+    cache = DynamicCache.from_legacy_cache([(k, v, None), (v, k, None)])
+    np.testing.assert_array_equal(np.asarray(cache[1][0]), v.detach().numpy())
+    assert cache.get_seq_length(0) == 3
+    with pytest.raises(ValueError, match=r"layer 1 is a sliding-window layer of a transformers cache"):
+        DynamicCache.from_legacy_cache([(k, v, None), (k, v, torch.tensor(2))])
+    for layers, match in [
+        (2, r"pass DynamicCache\(num_layers=2\)"),
+        (type("Config", (), {"num_hidden_layers": 2})(), r"got a Config; .*num_layers=config.num_hidden_layers"),
+        ({"a": 1}, r"got a dict; build one with DynamicCache\(num_layers=n\)"),
+        ([(k, v, k)], r"layer 0 must be None or a \(keys, values\) pair, got tuple of 3 items"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            DynamicCache(layers)
+    # JAX rebuilds the cache with other leaves through the same constructor.
+    seeded = DynamicCache.from_legacy_cache([(np.ones((1, 1, 2, 4), np.float32),) * 2]).update(
+        jnp.ones((1, 1, 1, 4)), jnp.ones((1, 1, 1, 4)), 0)[0]
+    assert jax.jit(lambda c: c)(seeded).get_seq_length(0) == 3
+    assert jax.tree.map(lambda x: 0, seeded).layers == ((0, 0),)

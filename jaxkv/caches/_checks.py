@@ -54,12 +54,14 @@ def _flag(condition: Array, bit: int) -> Array:
 
 
 def _as_array(x: Any, name: str, who: str) -> Array:
+    if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
+        x = x.detach()  # a torch tensor out of a forward pass without no_grad: its values, as they are
     try:
         return jnp.asarray(x)
-    except TypeError as err:  # e.g. a torch bfloat16 tensor, which NumPy cannot hold
+    except (TypeError, RuntimeError) as err:  # e.g. a torch bfloat16 or CUDA tensor, which NumPy cannot hold
         raise TypeError(
             f"{who}: {name} ({type(x).__name__}) could not be read as an array: {err}. A torch bfloat16 tensor: "
-            "pass tensor.float(), or jax.dlpack.from_dlpack(tensor)."
+            "pass tensor.float(), or jax.dlpack.from_dlpack(tensor); a CUDA tensor: tensor.cpu()."
         ) from None
 
 

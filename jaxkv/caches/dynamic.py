@@ -9,11 +9,12 @@ kind (``StaticCache`` ...) for jitted decoding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import register_dataclass
 
 from jaxkv.caches._checks import (
@@ -68,17 +69,33 @@ class DynamicCache:
             if _static_int(num_layers) is None or num_layers < 0:
                 raise ValueError(f"DynamicCache: num_layers must be an int >= 0, got {num_layers!r}.")
             layers = (None,) * int(num_layers)
-        object.__setattr__(self, "layers", tuple(layers))
+        layers = _layer_entries(layers)
+        object.__setattr__(self, "layers", layers)
 
     # ---- construction / conversion
 
     @classmethod
     def from_legacy_cache(cls, past_key_values: Sequence[tuple[Any, Any]] | None) -> DynamicCache:
-        """Builds a cache from ``((k0, v0), (k1, v1), ...)``, each ``[B, H, S, D]``."""
+        """Builds a cache from ``((k0, v0), (k1, v1), ...)``, each ``[B, H, S, D]``.
+
+        A transformers cache object works too (``from_legacy_cache(hf_cache)``): transformers 5
+        iterates ``(keys, values, sliding_window)`` per layer, taken for full-attention layers
+        (window ``None``); a sliding-window layer is a ValueError (it holds only its last tokens).
+        """
         if past_key_values is None:
             return cls()
         layers = []
         for i, entry in enumerate(past_key_values):
+            if len(entry) == 3 and entry[2] is None:
+                # A transformers >= 5 cache iterates (keys, values, sliding window): None is a full layer.
+                entry = entry[:2]
+            elif len(entry) == 3:
+                raise ValueError(
+                    f"DynamicCache.from_legacy_cache: layer {i} is a sliding-window layer of a transformers "
+                    "cache (its third item is the window): it holds only the last tokens, while a DynamicCache "
+                    "layer holds the whole context from position 0. Convert only full-attention caches, or "
+                    "prefill a jaxkv HybridCache / SlidingWindowCache from the prompt instead."
+                )
             if len(entry) != 2:
                 raise ValueError(
                     f"DynamicCache.from_legacy_cache: layer {i} must be a (keys, values) pair, "
@@ -340,6 +357,29 @@ def _gather_rows_nan(x: Array, idx: Array) -> Array:
     return jnp.take(x, jnp.where(bad, x.shape[0], idx), axis=0, mode="fill", fill_value=jnp.nan)
 
 
+
+
+def _layer_entries(layers: Any) -> tuple:
+    """``layers`` as a tuple of ``None`` / ``(keys, values)`` entries, or a TypeError that says
+    what to pass. Only the structure is checked: JAX rebuilds the cache through here with
+    any leaves (tracers, placeholders); :meth:`DynamicCache.from_legacy_cache` checks arrays."""
+    who = "DynamicCache"
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        raise TypeError(f"{who}(layers) takes a sequence of (keys, values) pairs; for {layers} empty layers "
+                        f"pass DynamicCache(num_layers={int(layers)}).")
+    if hasattr(layers, "num_hidden_layers"):  # an HF config
+        raise TypeError(f"{who}(layers) takes a sequence of (keys, values) pairs, got a {type(layers).__name__}; "
+                        "for a model config pass DynamicCache(num_layers=config.num_hidden_layers).")
+    if isinstance(layers, (str, bytes, dict)) or not isinstance(layers, Iterable):
+        raise TypeError(f"{who}(layers) takes a sequence of (keys, values) pairs (None for an empty layer), got a "
+                        f"{type(layers).__name__}; build one with DynamicCache(num_layers=n) or "
+                        "DynamicCache.from_legacy_cache(((k0, v0), (k1, v1), ...)).")
+    layers = tuple(layers)
+    for i, entry in enumerate(layers):
+        if entry is not None and not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise TypeError(f"{who}(layers): layer {i} must be None or a (keys, values) pair, got "
+                            f"{type(entry).__name__}{f' of {len(entry)} items' if isinstance(entry, (tuple, list)) else ''}.")
+    return tuple(None if entry is None else tuple(entry) for entry in layers)
 
 
 register_dataclass(DynamicCache, data_fields=["layers"], meta_fields=[])
