@@ -615,3 +615,20 @@ def test_a_transformers_cache_converts_and_bad_dynamic_layers_are_named():
         jnp.ones((1, 1, 1, 4)), jnp.ones((1, 1, 1, 4)), 0)[0]
     assert jax.jit(lambda c: c)(seeded).get_seq_length(0) == 3
     assert jax.tree.map(lambda x: 0, seeded).layers == ((0, 0),)
+
+
+def test_the_hf_style_constructor_and_a_transformers_cache_say_how_to_build_a_jaxkv_cache():
+    """StaticCache(num_layers=...) / StaticCache(config=..., max_cache_len=...) was the
+    dataclass's bare "unexpected keyword argument"; a transformers cache passed to a model
+    was refused as "got DynamicCache" next to a suggestion of DynamicCache() (review 63)."""
+    from jaxkv.caches.container import check_cache
+
+    for kwargs in (dict(num_layers=2, batch_size=1), dict(config=None, max_cache_len=8), {}):
+        with pytest.raises(TypeError, match=r"^StaticCache\(\.\.\.\) is the constructor of the cache's fields .*"
+                                            r"Build an empty cache with StaticCache.init\(\.\.\.\)"):
+            StaticCache(**kwargs)
+    cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
+    assert jax.jit(lambda c: c)(cache).batch_size == 1  # JAX still rebuilds it through the constructor
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(TypeError, match=r"got transformers\.cache_utils\.DynamicCache; .*from_legacy_cache\(hf_cache\)"):
+        check_cache(transformers.DynamicCache(), "Llama")

@@ -679,6 +679,25 @@ class KVCache:
 
 
 register_dataclass(KVCache, data_fields=list(KVCache._data_fields), meta_fields=list(KVCache._meta_fields))
+_fields_init = KVCache.__init__
+
+
+def _kvcache_init(self, *args: Any, **kwargs: Any) -> None:
+    # The dataclass constructor takes the cache's fields (JAX rebuilds caches through it); an
+    # HF-style StaticCache(config=..., max_cache_len=...) or StaticCache(num_layers=...) only
+    # named a keyword it did not expect.
+    try:
+        _fields_init(self, *args, **kwargs)
+    except TypeError as err:
+        kind = type(self).__name__
+        raise TypeError(
+            f"{kind}(...) is the constructor of the cache's fields (stores, lengths, flags, groups), and {err}. "
+            f"Build an empty cache with {kind}.init(...) (e.g. StaticCache.init(num_layers=..., batch_size=..., "
+            "num_kv_heads=..., head_dim=..., max_length=...)) or model.init_cache(batch_size, max_length, kind=...)."
+        ) from None
+
+
+KVCache.__init__ = _kvcache_init
 
 
 def _check_no_overflow(old: np.ndarray, count: np.ndarray, capacity: int, layer: int, who: str) -> None:
@@ -777,9 +796,15 @@ def storage_field(name: str, doc: str, *, dtype_of: str | None = None) -> proper
 def check_cache(cache: Any, who: str) -> Any:
     """``cache`` if it speaks the cache protocol (every jaxkv kind does), else ``TypeError``."""
     if not callable(getattr(cache, "write", None)) or not callable(getattr(cache, "positions", None)):
+        kind = type(cache)
+        hint = ""
+        if kind.__module__.split(".")[0] == "transformers":
+            hint = ("; a transformers cache holds torch tensors: convert a full-attention one with "
+                    "jaxkv.DynamicCache.from_legacy_cache(hf_cache)")
         raise TypeError(
             f"{who}: cache must be a jaxkv cache (model.init_cache(batch_size, max_length, kind=...), "
-            f"StaticCache.init(...), DynamicCache(), ...) or None, got {type(cache).__name__}"
+            f"jaxkv.StaticCache.init(...), jaxkv.DynamicCache(), ...) or None, got {kind.__module__}.{kind.__qualname__}"
+            + hint
         )
     return cache
 
