@@ -487,7 +487,9 @@ class PagedEngine:
         first_time: dict[int, float] = {}
         cached_of: dict[int, int] = {}
         admitted_at: dict[int, int] = {}
-        in_flight: set[bytes] = set()  # chain keys some row is writing now
+        # chain keys rows are writing now, with how many rows write each (two rows of one
+        # prompt that ends on a page boundary both write its last page)
+        in_flight: collections.Counter[bytes] = collections.Counter()
         finished = 0
         step = 0
         free = self._cache.free_pages
@@ -534,7 +536,7 @@ class PagedEngine:
             nonlocal free
             run = rows[row]
             for key in run.keys[run.indexed:]:
-                in_flight.discard(key)
+                _done_writing(in_flight, key)
             rows[row] = None
             self._cache = self._admit(self._cache, *self._admission_arrays([(row, [], 0)]))
             free = self._cache.free_pages
@@ -577,7 +579,7 @@ class PagedEngine:
                 cached_of.setdefault(i, len(hit) * ps)
                 row_len[row] = len(hit) * ps
                 for key in keys[len(hit):]:
-                    in_flight.add(key)
+                    in_flight[key] += 1
             waiting.extendleft(reversed(deferred))
             if admitted:
                 self._cache = self._admit(self._cache, *self._admission_arrays(admitted))
@@ -731,7 +733,7 @@ class PagedEngine:
 
     # ---- helpers
 
-    def _offer_pages(self, run: _Running, row: int, in_flight: set) -> None:
+    def _offer_pages(self, run: _Running, row: int, in_flight: collections.Counter) -> None:
         """Indexes the prompt pages this row has completed (pinning them)."""
         if self.prefix is None:
             return
@@ -741,7 +743,7 @@ class PagedEngine:
         table = np.asarray(self._cache.block_table[row])
         pin = []
         for j in range(run.indexed, full):
-            in_flight.discard(run.keys[j])
+            _done_writing(in_flight, run.keys[j])
             if self.prefix.insert(run.keys[j], int(table[j]), run.keys[j - 1] if j else None):
                 pin.append(int(table[j]))
         run.indexed = full
@@ -783,6 +785,13 @@ class PagedEngine:
             rows[j], num_tokens[j] = row, count
             pages[j, : len(hit)] = hit
         return jnp.asarray(rows), jnp.asarray(pages), jnp.asarray(num_tokens)
+
+
+def _done_writing(in_flight: collections.Counter, key: bytes) -> None:
+    """One row less writes ``key``'s page; the key leaves when none does."""
+    in_flight[key] -= 1
+    if in_flight[key] <= 0:
+        del in_flight[key]
 
 
 def _check_unique_ids(ids: list, requests: Sequence[EngineRequest], who: str) -> None:
