@@ -291,8 +291,7 @@ def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
 def crop_lengths(lengths: Array, amounts: Array) -> Array:
     """New lengths after ``crop``: ``lengths`` [..., B], ``amounts`` int32[B].
 
-    One rule for every kind (that of transformers' ``crop``, plus its legacy positive form):
-    a positive amount keeps at most that many tokens, a negative one drops that many off
+    One rule for every kind: a positive amount keeps at most that many tokens, a negative one drops that many off
     the end of each layer's own length (floored at 0), and 0 drops nothing — so the
     speculative idiom ``crop(-num_rejected)`` leaves rows with nothing rejected alone.
     Empty a cache with ``reset``.

@@ -447,7 +447,9 @@ class KVCache:
           max_length: an int, or int[B] per row (speculative rollback). A positive entry
             keeps at most that many tokens; a negative one drops that many off the end of
             each layer's own length (floored at 0); 0 drops nothing (``crop(-n)`` with
-            ``n == 0`` is a no-op, as in transformers). At or above a row's length: no-op.
+            ``n == 0`` is a no-op, as in transformers 5, which refuses positive values;
+            transformers 4 kept at most a positive value, as here, but its ``crop(0)``
+            emptied the cache: use ``reset``). At or above a row's length: no-op.
             Values beyond the int32 range are clamped, never wrapped. Empty rows with
             ``reset``.
 
