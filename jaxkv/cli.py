@@ -381,7 +381,8 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     if decode_tokens > 0 and elapsed > 0:
         rate = f"{decode_tokens / elapsed:.1f} tokens/s (decode)"
     else:
-        rate = f"decode rate not measured (over {_TOKENS_PER_CALL} new tokens needed)"
+        rate = (f"decode rate not measured (it needs {_TOKENS_PER_CALL + 2} or more new tokens: the first "
+                f"{_TOKENS_PER_CALL + 1} come from the calls that compile)")
     out.write("\n")
     out.write(
         f"[jaxkv] prompt {len(ids)} tokens | new {generated} tokens | {rate} | "
