@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxkv.attention import cache_attention
 from jaxkv.caches import DynamicCache, StaticCache
+from jaxkv.caches._checks import _check_sizes
 from jaxkv.caches.container import check_cache
 from jaxkv.nnx import _check_positions
 from jaxkv.serialization import register_flax_serialization
@@ -68,6 +70,10 @@ class KVSelfAttention(nn.Module):
         if cache is not None:
             check_cache(cache, "KVSelfAttention")
         _check_positions(positions, "KVSelfAttention")
+        _check_sizes("KVSelfAttention", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim)
+        if jnp.ndim(x) != 3:
+            raise ValueError(f"KVSelfAttention: x must be [batch, tokens, embed_dim], got shape {list(jnp.shape(x))}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"KVSelfAttention: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "

@@ -211,6 +211,11 @@ class KVAttention(nnx.Module):
         positions = jnp.asarray(positions)  # a nested list is fine (it failed on .shape further in)
         if jnp.ndim(x) != 3:
             raise ValueError(f"KVAttention: x must be [batch, tokens, embed_dim], got shape {list(jnp.shape(x))}")
+        if jnp.shape(x)[-1] != self.q_proj.in_features:
+            raise ValueError(
+                f"KVAttention: x must be [batch, tokens, embed_dim] with the module's embed_dim "
+                f"{self.q_proj.in_features}, got shape {list(jnp.shape(x))}"
+            )
         if layer_idx is None:
             layer_idx = self.layer_idx
         if layer_idx is None and cache is not None:

@@ -126,6 +126,14 @@ def test_modules_refuse_a_non_cache_and_float_positions():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         KVSelfAttention(num_heads=3, num_kv_heads=2, head_dim=4, layer_idx=0).init(jax.random.key(0), x, None,
                                                                                  positions=pos)
+    # A 2-D x, zero kv heads (linen) and an x of another width (nnx) were JAX's axis /
+    # ZeroDivisionError / dot_general messages naming neither module nor width (review 63).
+    with pytest.raises(ValueError, match=r"KVSelfAttention: x must be \[batch, tokens, embed_dim\], got shape \[1, 8\]"):
+        linen.init(jax.random.key(0), x[0], None, positions=pos)
+    with pytest.raises(ValueError, match=r"KVSelfAttention: num_kv_heads must be an int >= 1, got 0"):
+        KVSelfAttention(num_heads=2, num_kv_heads=0, head_dim=4).init(jax.random.key(0), x, None, positions=pos)
+    with pytest.raises(ValueError, match=r"KVAttention: x must be .* the module's embed_dim 8, got shape \[1, 1, 6\]"):
+        attn(jnp.ones((1, 1, 6)), cache, positions=pos)
 
 
 def test_gradients_through_a_cache_are_true_or_a_clear_error():
