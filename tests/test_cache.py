@@ -567,6 +567,11 @@ def test_a_cache_of_no_rows_has_length_zero():
     empty = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4).batch_select_indices(
         jnp.zeros((0,), jnp.int32))
     assert empty.batch_size == 0 and empty.get_seq_length(0) == 0
+    # An empty Python list is no rows too (NumPy made it float64, refused as "dtype float64").
+    cache = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4)
+    assert cache.batch_select_indices([]).batch_size == 0
+    with pytest.raises(ValueError, match=r"1-D integer array of batch rows, got shape \(1, 0\)"):
+        cache.batch_select_indices([[]])
 
 
 def test_mixed_dtype_dynamic_layers_round_trip_and_torch_bfloat16_is_named():

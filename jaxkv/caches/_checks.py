@@ -107,6 +107,8 @@ def _check_row_indices(indices: Any, batch: int, who: str) -> Array:
     # in their own dtype too, and a bad one becomes -1, which every row op treats as out of
     # range (the row is emptied and flagged INVALID).
     traced = _is_traced(indices)
+    if not traced and not hasattr(indices, "dtype") and np.shape(indices) == (0,):
+        indices = np.zeros((0,), np.int32)  # an empty list: no rows (NumPy would call it float64)
     indices = indices if traced else np.asarray(indices)
     if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(
