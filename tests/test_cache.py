@@ -637,3 +637,19 @@ def test_the_hf_style_constructor_and_a_transformers_cache_say_how_to_build_a_ja
     transformers = pytest.importorskip("transformers")
     with pytest.raises(TypeError, match=r"got transformers\.cache_utils\.DynamicCache; .*from_legacy_cache\(hf_cache\)"):
         check_cache(transformers.DynamicCache(), "Llama")
+
+
+def test_repr_shows_sizes_and_fill_levels_not_buffers():
+    """repr printed every buffer (7.5 KB of uint16 bit patterns for a 1024-slot bf16 cache)
+    with the lengths buried in them (review 63). Under jit and for a stack of caches too."""
+    cache = StaticCache.init(num_layers=2, batch_size=2, num_kv_heads=4, head_dim=64, max_length=1024, dtype=jnp.bfloat16)
+    cache, _, _ = cache.update(jnp.ones((2, 4, 3, 64)), jnp.ones((2, 4, 3, 64)), 1, num_new=jnp.array([3, 1]))
+    assert repr(cache) == ("StaticCache(num_layers=2, batch_size=2, num_kv_heads=4, head_dim=64, max_length=1024, "
+                           "dtype=bfloat16, lengths=[[0, 0], [3, 1]], flags=[0, 0], stores=(ContiguousStorage))")
+    seen = []
+    jax.jit(lambda c: seen.append(repr(c)) or c)(cache)
+    assert "lengths=<DynamicJaxprTracer int32[2, 2]>" in seen[0] and "max_length=1024" in seen[0]
+    stack = jax.tree.map(lambda *x: jnp.stack(x), cache, cache)
+    assert repr(stack).startswith("StaticCache(lengths=[[[0, 0], [3, 1]], [[0, 0], [3, 1]]], flags=[[0, 0], [0, 0]]")
+    dynamic = DynamicCache(num_layers=2).update(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4), jnp.bfloat16), 0)[0]
+    assert repr(dynamic) == "DynamicCache(layers=[(keys float32[1, 2, 3, 4], values bfloat16[1, 2, 3, 4]), None])"

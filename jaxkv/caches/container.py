@@ -615,6 +615,26 @@ class KVCache:
         args = (treedef, [np.asarray(x) for x in leaves], mesh)
         return _restore, args + ((places,) if any(places) else ())
 
+    def __repr__(self) -> str:
+        # The sizes and fill levels, not the buffers (a 1024-slot bf16 cache printed 7.5 KB
+        # of uint16 bit patterns with its lengths buried in them).
+        def show(x: Any) -> str:
+            if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+                return f"<{type(x).__name__} {jnp.dtype(x.dtype).name}{list(x.shape)}>"
+            if not isinstance(x, (np.ndarray, jax.Array)):  # a placeholder leaf (in_axes, tree_map)
+                return repr(x)
+            return " ".join(np.array2string(np.asarray(x), separator=", ", threshold=64).split())
+
+        try:
+            sizes = (f"num_layers={self.num_layers}, batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                     f"head_dim={self.head_dim}, max_length={self.get_max_length()}, "
+                     f"dtype={jnp.dtype(self.dtype).name}, ")
+        except Exception:  # a stack of caches (vmap) or leaves of another kind (in_axes specs): no sizes
+            sizes = ""
+        stores = ", ".join(type(s).__name__ for s in self.stores)
+        sharded = "" if self.sharding is None else f", sharding={self.sharding.spec}"
+        return f"{self._name}({sizes}lengths={show(self.lengths)}, flags={show(self.flags)}, stores=({stores}){sharded})"
+
     # ---- internals
 
     @property

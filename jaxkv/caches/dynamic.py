@@ -118,6 +118,14 @@ class DynamicCache:
 
     # ---- sequence protocol
 
+    def __repr__(self) -> str:
+        # Shapes, not the arrays' contents (review 63).
+        def show(x: Any) -> str:
+            return f"{jnp.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape") and hasattr(x, "dtype") else repr(x)
+
+        layers = ", ".join("None" if e is None else f"(keys {show(e[0])}, values {show(e[1])})" for e in self.layers)
+        return f"DynamicCache(layers=[{layers}])"
+
     def __len__(self) -> int:
         return len(self.layers)
 
