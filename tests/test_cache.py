@@ -653,3 +653,18 @@ def test_repr_shows_sizes_and_fill_levels_not_buffers():
     assert repr(stack).startswith("StaticCache(lengths=[[[0, 0], [3, 1]], [[0, 0], [3, 1]]], flags=[[0, 0], [0, 0]]")
     dynamic = DynamicCache(num_layers=2).update(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4), jnp.bfloat16), 0)[0]
     assert repr(dynamic) == "DynamicCache(layers=[(keys float32[1, 2, 3, 4], values bfloat16[1, 2, 3, 4]), None])"
+
+
+def test_donating_a_cache_deletes_the_arrays_of_the_caches_sharing_them():
+    """As the README says: crop moves no data, so the cropped cache shares the old one's
+    arrays; donating it deletes them for both (an error, never stale data). A copy keeps
+    the old cache readable."""
+    cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
+    cache, _, _ = cache.update(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)), 0)
+    step = jax.jit(lambda c: c.update(jnp.zeros((1, 1, 1, 2)), jnp.zeros((1, 1, 1, 2)), 0)[0], donate_argnums=0)
+    kept = step(jax.tree.map(jnp.copy, cache.crop(-1)))
+    np.testing.assert_array_equal(cache.keys[0, 0, 0, :2], 1.0)  # still readable
+    assert kept.get_seq_length(0) == 2 and float(kept.keys[0, 0, 0, 1, 0]) == 0.0
+    step(cache.crop(-1))
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        np.asarray(cache.keys)
