@@ -416,7 +416,7 @@ def report(payload: dict) -> list[list]:
         cells = [r["batch"], r["context"]] + [f"{r[s] * 1e3:.2f}" for s in strategies]
         cells.append(f"{r['batch'] / r['jaxkv']:.0f}" if r["jaxkv"] > 0 else "-")
         for s in others:
-            if r["jaxkv"] <= 0:  # the N+1-token run was not measurably slower: noise, no ratio
+            if r["jaxkv"] <= 0:  # a time of 0 (a timer that did not tick): no ratio
                 cells.append("noise")
                 continue
             ratio = r[s] / r["jaxkv"]
