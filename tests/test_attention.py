@@ -171,6 +171,19 @@ def test_bfloat16_inputs_keep_dtype_and_stay_close():
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=3e-2)
 
 
+@pytest.mark.parametrize("implementation", ["jaxkv", "jax"])
+def test_a_16_bit_query_over_a_float32_cache_in_both_implementations(implementation):
+    """implementation="jax" raised jax.nn.dot_product_attention's "query dtype should be
+    float32" for a bf16 query over an f32 cache, where "jaxkv" attends (review 61)."""
+    q, k, v, q_pos, kv_len = _random_case(4, 2, 4, 2, 3, 8, 16)
+    q16 = jnp.asarray(q, jnp.bfloat16)
+    out = attend(q16, jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos), kv_lengths=jnp.asarray(kv_len),
+                 implementation=implementation)
+    assert out.dtype == jnp.bfloat16
+    ref = reference_attention(np.asarray(q16.astype(jnp.float32)), k, v, q_pos, kv_len)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, atol=2e-2)
+
+
 def test_vmap_over_batch_matches_batched():
     q, k, v, q_pos, kv_len = _random_case(5, 3, 4, 2, 2, 7, 8)
     batched = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos), kv_lengths=jnp.asarray(kv_len))

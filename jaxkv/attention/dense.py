@@ -209,13 +209,16 @@ def attend(
         sees_any = jnp.any(mask, axis=-1)  # [B, T]
         marked = jnp.any(mask[:, None] & bad_slots[:, :, None, :], axis=-1)  # [B, H, T]
         marked = jnp.repeat(marked, groups, axis=1) | (bad_queries & sees_any[:, None])  # [B, Hq, T]
+        # jax.nn.dot_product_attention takes one dtype: a bf16 query over an f32 cache is
+        # computed in f32 and returned in the query's dtype, as the "jaxkv" path does.
+        common = jnp.result_type(queries, keys, values)
         out = jax.nn.dot_product_attention(
-            queries.transpose(0, 2, 1, 3),
-            jnp.where(jnp.isfinite(keys), keys, jnp.zeros((), keys.dtype)).transpose(0, 2, 1, 3),
-            values.transpose(0, 2, 1, 3),
+            queries.astype(common).transpose(0, 2, 1, 3),
+            jnp.where(jnp.isfinite(keys), keys, jnp.zeros((), keys.dtype)).astype(common).transpose(0, 2, 1, 3),
+            values.astype(common).transpose(0, 2, 1, 3),
             mask=mask[:, None, :, :],
             scale=scale,
-        ).transpose(0, 2, 1, 3)
+        ).transpose(0, 2, 1, 3).astype(queries.dtype)
         # jax spreads a query that sees nothing uniformly over all slots; jaxkv returns zeros.
         out = jnp.where(sees_any[:, None, :, None], out, jnp.zeros((), out.dtype))
         return jnp.where(marked[..., None], jnp.nan, out)
