@@ -235,6 +235,8 @@ def test_stop_tokens_and_streaming(model, reference):
     for _ in eng.stream([EngineRequest(PROMPTS[3], N)]):
         break
     assert eng._cache.free_pages == pool - len(eng.prefix)
+    # Its figures are its own (they were the previous run's, 3 tokens; review 60).
+    assert eng.stats["generated_tokens"] == 1 and len(once[0].tokens) != 1
     assert not (np.asarray(eng._cache.block_table) >= 0).any() and not np.asarray(eng._cache.lengths).any()
     assert [list(r.tokens) for r in eng.run([EngineRequest(p, N) for p in PROMPTS])] == reference
     # One run or stream at a time: a second one while a stream is open used to empty the

@@ -542,194 +542,196 @@ class PagedEngine:
             free = self._cache.free_pages
             row_len[row] = 0
 
-        while finished < len(requests):
-            while pending and requests[pending[0]].arrival <= step:
-                waiting.append(pending.pop(0))
+        # The figures of a stream closed part-way too (they kept the previous run's).
+        try:
+            while finished < len(requests):
+                while pending and requests[pending[0]].arrival <= step:
+                    waiting.append(pending.pop(0))
 
-            # ---- admission: rows and pages permitting, in order; wait for in-flight prefixes
-            admitted, deferred = [], collections.deque()
-            hits_admitted: set[int] = set()  # pages this round attaches: not evictable before _admit
-            while waiting and None in rows:
-                i = waiting.popleft()
-                request = requests[i]
-                prompt = list(request.prompt) + generated[i]
-                # Every full page of the prompt is offered to the index once written, but the
-                # lookup keeps the last token out: its logits start generation, so a prompt
-                # that ends on a page boundary recomputes that page (an extension reuses it).
-                keys = self.prefix.keys_of(prompt) if self.prefix is not None else []
-                usable = min(len(keys), (len(prompt) - 1) // ps)
-                hit = self.prefix.lookup(keys[:usable]) if self.prefix is not None else []
-                if len(hit) < usable and keys[len(hit)] in in_flight:
-                    deferred.append(i)  # another row is writing that page: reuse it next step
+                # ---- admission: rows and pages permitting, in order; wait for in-flight prefixes
+                admitted, deferred = [], collections.deque()
+                hits_admitted: set[int] = set()  # pages this round attaches: not evictable before _admit
+                while waiting and None in rows:
+                    i = waiting.popleft()
+                    request = requests[i]
+                    prompt = list(request.prompt) + generated[i]
+                    # Every full page of the prompt is offered to the index once written, but the
+                    # lookup keeps the last token out: its logits start generation, so a prompt
+                    # that ends on a page boundary recomputes that page (an extension reuses it).
+                    keys = self.prefix.keys_of(prompt) if self.prefix is not None else []
+                    usable = min(len(keys), (len(prompt) - 1) // ps)
+                    hit = self.prefix.lookup(keys[:usable]) if self.prefix is not None else []
+                    if len(hit) < usable and keys[len(hit)] in in_flight:
+                        deferred.append(i)  # another row is writing that page: reuse it next step
+                        continue
+                    need = pages_for(len(prompt) + 1) - len(hit)
+                    # Pages the running prefills will still take are spoken for.
+                    reserved = sum(
+                        pages_for(len(run.prompt) + 1) - pages_for(row_len[j])
+                        for j, run in enumerate(rows) if run is not None and run.written < len(run.prompt)
+                    )
+                    if evict(need + reserved, keep=hits_admitted | set(hit)) < need + reserved:
+                        waiting.appendleft(i)
+                        break
+                    hits_admitted.update(hit)
+                    row = rows.index(None)
+                    rows[row] = _Running(i, request, step, prompt, len(hit) * ps, len(hit) * ps, keys, len(hit))
+                    admitted.append((row, hit, len(hit) * ps))
+                    admitted_at.setdefault(i, step)
+                    cached_of.setdefault(i, len(hit) * ps)
+                    row_len[row] = len(hit) * ps
+                    for key in keys[len(hit):]:
+                        in_flight[key] += 1
+                waiting.extendleft(reversed(deferred))
+                if admitted:
+                    self._cache = self._admit(self._cache, *self._admission_arrays(admitted))
+                    self._admit_histories([(row, rows[row].request, generated[rows[row].index]) for row, _, _ in admitted])
+                    for row, _, n in admitted:
+                        row_len[row] = n
+                    free = self._cache.free_pages
+                    counters["cached_tokens"] += sum(n for _, _, n in admitted)
+
+                active = [row for row in range(r_rows) if rows[row] is not None]
+                if not active:
+                    if waiting:  # nothing runs, so nothing will free a page: waiting would never end
+                        raise RuntimeError(
+                            f"{who}: request {waiting[0]} cannot be admitted although no row is running: only "
+                            f"{free} of {self._cache.num_pages} pages are free and no index page can be evicted. "
+                            "Release pages pinned outside the engine's index, or build the engine with more pages."
+                        )
+                    if not pending:
+                        break
+                    step = max(step + 1, int(requests[pending[0]].arrival))  # idle: jump to the next arrival
                     continue
-                need = pages_for(len(prompt) + 1) - len(hit)
-                # Pages the running prefills will still take are spoken for.
-                reserved = sum(
-                    pages_for(len(run.prompt) + 1) - pages_for(row_len[j])
-                    for j, run in enumerate(rows) if run is not None and run.written < len(run.prompt)
-                )
-                if evict(need + reserved, keep=hits_admitted | set(hit)) < need + reserved:
+
+                # ---- what each row brings this step
+                prefilling = any(rows[row].written < len(rows[row].prompt) for row in active)
+                width = c if prefilling else 1
+                take = {}
+                for row in active:
+                    run = rows[row]
+                    left = len(run.prompt) - run.written
+                    take[row] = min(left, width) if left > 0 else 1
+                # Pages this step will take; preempt the youngest until they fit.
+                while True:
+                    need = sum(pages_for(row_len[row] + take[row]) - pages_for(row_len[row]) for row in take)
+                    if evict(need) >= need:
+                        break
+                    if len(take) == 1:
+                        # One row left and still no page for it: only pages pinned outside the
+                        # index can do this (the pool holds one whole request). Writing on would
+                        # drop its tokens (out_of_pages) and sample from what is not there.
+                        (row,) = take
+                        raise RuntimeError(
+                            f"{who}: request {rows[row].index} needs {need} more page(s) to go on with no other "
+                            f"row running, but only {free} of {self._cache.num_pages} pages are free and no "
+                            "index page can be evicted. Release pages pinned outside the engine's index, or "
+                            "build the engine with more pages."
+                        )
+                    victim = max(take, key=lambda row: (rows[row].admitted_step, row))
+                    i = rows[victim].index
+                    preempted[i] += 1
+                    counters["preemptions"] += 1
+                    release_row(victim)
                     waiting.appendleft(i)
-                    break
-                hits_admitted.update(hit)
-                row = rows.index(None)
-                rows[row] = _Running(i, request, step, prompt, len(hit) * ps, len(hit) * ps, keys, len(hit))
-                admitted.append((row, hit, len(hit) * ps))
-                admitted_at.setdefault(i, step)
-                cached_of.setdefault(i, len(hit) * ps)
-                row_len[row] = len(hit) * ps
-                for key in keys[len(hit):]:
-                    in_flight[key] += 1
-            waiting.extendleft(reversed(deferred))
-            if admitted:
-                self._cache = self._admit(self._cache, *self._admission_arrays(admitted))
-                self._admit_histories([(row, rows[row].request, generated[rows[row].index]) for row, _, _ in admitted])
-                for row, _, n in admitted:
-                    row_len[row] = n
-                free = self._cache.free_pages
-                counters["cached_tokens"] += sum(n for _, _, n in admitted)
+                    del take[victim]
+                    active.remove(victim)
 
-            active = [row for row in range(r_rows) if rows[row] is not None]
-            if not active:
-                if waiting:  # nothing runs, so nothing will free a page: waiting would never end
-                    raise RuntimeError(
-                        f"{who}: request {waiting[0]} cannot be admitted although no row is running: only "
-                        f"{free} of {self._cache.num_pages} pages are free and no index page can be evicted. "
-                        "Release pages pinned outside the engine's index, or build the engine with more pages."
-                    )
-                if not pending:
-                    break
-                step = max(step + 1, int(requests[pending[0]].arrival))  # idle: jump to the next arrival
-                continue
-
-            # ---- what each row brings this step
-            prefilling = any(rows[row].written < len(rows[row].prompt) for row in active)
-            width = c if prefilling else 1
-            take = {}
-            for row in active:
-                run = rows[row]
-                left = len(run.prompt) - run.written
-                take[row] = min(left, width) if left > 0 else 1
-            # Pages this step will take; preempt the youngest until they fit.
-            while True:
-                need = sum(pages_for(row_len[row] + take[row]) - pages_for(row_len[row]) for row in take)
-                if evict(need) >= need:
-                    break
-                if len(take) == 1:
-                    # One row left and still no page for it: only pages pinned outside the
-                    # index can do this (the pool holds one whole request). Writing on would
-                    # drop its tokens (out_of_pages) and sample from what is not there.
-                    (row,) = take
-                    raise RuntimeError(
-                        f"{who}: request {rows[row].index} needs {need} more page(s) to go on with no other "
-                        f"row running, but only {free} of {self._cache.num_pages} pages are free and no "
-                        "index page can be evicted. Release pages pinned outside the engine's index, or "
-                        "build the engine with more pages."
-                    )
-                victim = max(take, key=lambda row: (rows[row].admitted_step, row))
-                i = rows[victim].index
-                preempted[i] += 1
-                counters["preemptions"] += 1
-                release_row(victim)
-                waiting.appendleft(i)
-                del take[victim]
-                active.remove(victim)
-
-            counters["peak_rows"] = max(counters["peak_rows"], len(take))  # requests in this step
-            counters["row_steps"] += len(take)
-            if waiting:  # requests wait for rows or pages: the pool is the limit now
-                counters["backlog_steps"] += 1
-                counters["backlog_row_steps"] += len(take)
-            # The busy rows, padded to a bucket (1, 4, 16, ... up to R rows): a handful of
-            # compiled programs, and a step costs what its rows need, not all R.
-            busy = sorted(take)
-            n = next(b for b in self._buckets if b >= len(busy))
-            row_ids = np.full((n,), r_rows, np.int32)
-            tokens = np.zeros((n, width), np.int32)
-            num_new = np.zeros((n,), np.int32)
-            temperature = np.zeros((n,), np.float32)
-            top_p = np.ones((n,), np.float32)
-            min_p = np.zeros((n,), np.float32)
-            seeds = np.zeros((n,), np.uint32)
-            index = np.zeros((n,), np.int32)
-            rep = np.ones((n,), np.float32)
-            pres = np.zeros((n,), np.float32)
-            freq = np.zeros((n,), np.float32)
-            emits = np.zeros((n,), bool)
-            slot_of = {}
-            for j, row in enumerate(busy):
-                k = take[row]
-                slot_of[row] = j
-                run = rows[row]
-                req = run.request
-                row_ids[j] = row
-                if run.written < len(run.prompt):
-                    tokens[j, :k] = run.prompt[run.written : run.written + k]
-                else:
-                    tokens[j, 0] = generated[run.index][-1]
-                num_new[j] = k
-                temperature[j] = req.temperature
-                top_p[j] = 1.0 if req.top_p is None else req.top_p
-                min_p[j] = req.min_p or 0.0
-                seeds[j] = np.uint32(int(req.seed))  # checked: in [0, 2**32)
-                index[j] = len(generated[run.index])
-                rep[j], pres[j], freq[j] = req.repetition_penalty, req.presence_penalty, req.frequency_penalty
-                emits[j] = run.written + k >= len(run.prompt)
-            sampling = (temperature, top_p, min_p, seeds, index, rep, pres, freq)
-            if any(_has_penalty(rows[row].request) for row in busy):
-                sampled, status, self._cache, self._history = self._step(
-                    self._state, self._cache, row_ids, tokens, num_new, sampling, self._history, emits
-                )
-            else:
-                sampled, status, self._cache, _ = self._step(
-                    self._state, self._cache, row_ids, tokens, num_new, sampling
-                )
-            sampled = np.asarray(sampled)
-            free, flagged = (int(v) for v in np.asarray(status))
-            if flagged:
-                # A dropped or misplaced write (the page accounting above should make this
-                # impossible): an error naming the rows, never tokens sampled from it.
-                self._cache.check()
-            counters["forward_tokens"] += int(num_new.sum())
-            counters["forward_calls"] += 1
-
-            for row, k in take.items():
-                run = rows[row]
-                row_len[row] += k
-                i = run.index
-                if run.written < len(run.prompt):
-                    run.written += k
-                    counters["prefill_tokens"] += k
-                    self._offer_pages(run, row, in_flight)
+                counters["peak_rows"] = max(counters["peak_rows"], len(take))  # requests in this step
+                counters["row_steps"] += len(take)
+                if waiting:  # requests wait for rows or pages: the pool is the limit now
+                    counters["backlog_steps"] += 1
+                    counters["backlog_row_steps"] += len(take)
+                # The busy rows, padded to a bucket (1, 4, 16, ... up to R rows): a handful of
+                # compiled programs, and a step costs what its rows need, not all R.
+                busy = sorted(take)
+                n = next(b for b in self._buckets if b >= len(busy))
+                row_ids = np.full((n,), r_rows, np.int32)
+                tokens = np.zeros((n, width), np.int32)
+                num_new = np.zeros((n,), np.int32)
+                temperature = np.zeros((n,), np.float32)
+                top_p = np.ones((n,), np.float32)
+                min_p = np.zeros((n,), np.float32)
+                seeds = np.zeros((n,), np.uint32)
+                index = np.zeros((n,), np.int32)
+                rep = np.ones((n,), np.float32)
+                pres = np.zeros((n,), np.float32)
+                freq = np.zeros((n,), np.float32)
+                emits = np.zeros((n,), bool)
+                slot_of = {}
+                for j, row in enumerate(busy):
+                    k = take[row]
+                    slot_of[row] = j
+                    run = rows[row]
+                    req = run.request
+                    row_ids[j] = row
                     if run.written < len(run.prompt):
-                        continue  # more prompt to go
-                # A token: the first after the prompt, or the next one.
-                token = int(sampled[slot_of[row]])
-                generated[i].append(token)
-                first_step.setdefault(i, step)
-                first_time.setdefault(i, time.perf_counter() - start)
-                yield (ids[i], token)
-                reason = None
-                if token in run.request.stop_token_ids:
-                    reason = "stop"
-                elif len(generated[i]) >= run.request.max_new_tokens:
-                    reason = "length"
-                if reason is not None:
-                    result = EngineResult(
-                        ids[i], tuple(generated[i]), reason, cached_of[i], preempted[i], admitted_at[i],
-                        first_step[i], step, first_time[i],
+                        tokens[j, :k] = run.prompt[run.written : run.written + k]
+                    else:
+                        tokens[j, 0] = generated[run.index][-1]
+                    num_new[j] = k
+                    temperature[j] = req.temperature
+                    top_p[j] = 1.0 if req.top_p is None else req.top_p
+                    min_p[j] = req.min_p or 0.0
+                    seeds[j] = np.uint32(int(req.seed))  # checked: in [0, 2**32)
+                    index[j] = len(generated[run.index])
+                    rep[j], pres[j], freq[j] = req.repetition_penalty, req.presence_penalty, req.frequency_penalty
+                    emits[j] = run.written + k >= len(run.prompt)
+                sampling = (temperature, top_p, min_p, seeds, index, rep, pres, freq)
+                if any(_has_penalty(rows[row].request) for row in busy):
+                    sampled, status, self._cache, self._history = self._step(
+                        self._state, self._cache, row_ids, tokens, num_new, sampling, self._history, emits
                     )
-                    release_row(row)
-                    finished += 1
-                    yield _Done(i, result)
-            step += 1
+                else:
+                    sampled, status, self._cache, _ = self._step(
+                        self._state, self._cache, row_ids, tokens, num_new, sampling
+                    )
+                sampled = np.asarray(sampled)
+                free, flagged = (int(v) for v in np.asarray(status))
+                if flagged:
+                    # A dropped or misplaced write (the page accounting above should make this
+                    # impossible): an error naming the rows, never tokens sampled from it.
+                    self._cache.check()
+                counters["forward_tokens"] += int(num_new.sum())
+                counters["forward_calls"] += 1
 
-        wall = time.perf_counter() - start
-        total = sum(len(g) for g in generated.values())
-        self.stats = dict(
-            steps=step, wall_s=wall, generated_tokens=total, tokens_per_s=total / wall if wall > 0 else float("inf"),
-            **counters,
-        )
+                for row, k in take.items():
+                    run = rows[row]
+                    row_len[row] += k
+                    i = run.index
+                    if run.written < len(run.prompt):
+                        run.written += k
+                        counters["prefill_tokens"] += k
+                        self._offer_pages(run, row, in_flight)
+                        if run.written < len(run.prompt):
+                            continue  # more prompt to go
+                    # A token: the first after the prompt, or the next one.
+                    token = int(sampled[slot_of[row]])
+                    generated[i].append(token)
+                    first_step.setdefault(i, step)
+                    first_time.setdefault(i, time.perf_counter() - start)
+                    yield (ids[i], token)
+                    reason = None
+                    if token in run.request.stop_token_ids:
+                        reason = "stop"
+                    elif len(generated[i]) >= run.request.max_new_tokens:
+                        reason = "length"
+                    if reason is not None:
+                        result = EngineResult(
+                            ids[i], tuple(generated[i]), reason, cached_of[i], preempted[i], admitted_at[i],
+                            first_step[i], step, first_time[i],
+                        )
+                        release_row(row)
+                        finished += 1
+                        yield _Done(i, result)
+                step += 1
+        finally:
+            wall = time.perf_counter() - start
+            total = sum(len(g) for g in generated.values())
+            self.stats = dict(
+                steps=step, wall_s=wall, generated_tokens=total,
+                tokens_per_s=total / wall if wall > 0 else float("inf"), **counters,
+            )
 
     # ---- helpers
 
