@@ -30,7 +30,8 @@ It runs, on ``jax.devices()[0]``, side by side in one run:
    ``torch.compile``, batch 1 and 32 with 1K prompts, and the first ``generate`` call's time;
 6. ``xla`` (:func:`bench_llama1b.run_xla_variants`): the same model's decode step, both layouts,
    under XLA options side by side in one process (default, dynamic-slice fusion, command
-   buffers with the loop inside them, both), against the read floor;
+   buffers with the loop inside them, both, no autotuning), against the read floor, with
+   each decode program's first run (its compile);
 7. ``sweep``: the Pallas kernel's launch options (``--sweep-set``).
 
 ``--quick`` shrinks every size (a smoke run for CPU, a minute). ``--sections`` picks parts

@@ -218,6 +218,10 @@ XLA_VARIANTS = {
     "dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
     "command buffers": _COMMAND_BUFFERS,
     "both": {"xla_gpu_enable_dynamic_slice_fusion": True, **_COMMAND_BUFFERS},
+    # Compile time (issue 14: first generate call under 10 s): XLA times GEMM and fusion
+    # candidates while compiling; level 0 takes its heuristics instead (faster compile, the
+    # step may be slower). The "first run s" column says what it saves.
+    "no autotune": {"xla_gpu_autotune_level": 0},
 }
 
 
@@ -248,19 +252,22 @@ def run_xla_variants(shape: Shape, cells: list[tuple[int, int]], *, steps: int, 
                 key = f"{layout} / {variant}"
                 try:
                     run = bg.jaxkv_decode_loop(model, ids, steps, options)
-                    tokens = np.asarray(run())
+                    start = time.perf_counter()
+                    tokens = np.asarray(run())  # compiles the decode program (the prefill's is apart)
+                    first = time.perf_counter() - start
                     seconds = bg.time_decode(run, repeats)
                 except Exception as error:  # noqa: BLE001 - a variant XLA refuses is a result, not the end of the run
                     payload["errors"][f"B={batch} P={prompt} {key}"] = f"{type(error).__name__}: {error}"[:500]
                     print(f"  B={batch} P={prompt} {key}: failed ({type(error).__name__})", flush=True)
                     continue
                 row[key] = seconds / steps
+                row[f"{key} first_s"] = first
                 if layout not in reference:
                     reference[layout] = tokens
                 elif not np.array_equal(tokens, reference[layout]):
                     row.setdefault("tokens_differ", []).append(key)
                 print(f"  B={batch} P={prompt} {key}: {row[key] * 1e3:.2f} ms per step "
-                      f"({row[key] / row['floor']:.2f}x the floor)", flush=True)
+                      f"({row[key] / row['floor']:.2f}x the floor), first run {first:.1f} s", flush=True)
         payload["rows"].append(row)
     return payload
 
@@ -272,9 +279,10 @@ def report_xla(payload: dict) -> None:
         for key in keys:
             if key in r:
                 rows.append([r["batch"], r["prompt"], key, f"{r[key] * 1e3:.2f}", f"{r['floor'] * 1e3:.2f}",
-                             f"{r[key] / r['floor']:.2f}x", "differ" if key in r.get("tokens_differ", []) else "same"])
+                             f"{r[key] / r['floor']:.2f}x", f"{r[f'{key} first_s']:.1f}",
+                             "differ" if key in r.get("tokens_differ", []) else "same"])
     print_table(["B", "prompt", "layout / XLA options", "ms per step", "floor ms", "/ floor",
-                 "tokens vs layout's default"], rows)
+                 "first run s (compile)", "tokens vs layout's default"], rows)
     for key, error in payload["errors"].items():
         print(f"failed: {key}: {error}")
 
