@@ -10,13 +10,14 @@
 #
 # then give the machine back.
 #   SKIP_TESTS=1 ...                              # no pytest part
-#   TEST_TIMEOUT=100 SECTIONS=xla,sweep BENCH_ARGS="--sweep-set splits --sweep-seconds 150" ...
+#   TEST_TIMEOUT=100 SECTIONS=xla,sweep BENCH_ARGS="--sweep-set splits --sweep-seconds 120" ...
 #                                                 # the next run to make (about 8 minutes: timeout_s 600):
 #                                                 # the Pallas tests compiled; section xla: the 1B step of both
 #                                                 # layouts under XLA options side by side (dynamic-slice fusion:
 #                                                 # does XLA:GPU read the scan's weight slices in place? the scanned
 #                                                 # step was ~1 ms slower than per-layer; command buffers with the
-#                                                 # loop inside: is the per-layer step's 2x its floor launch cost?);
+#                                                 # loop inside: is the per-layer step's 2x its floor launch cost?
+#                                                 # no autotuning: how much of the first call is XLA's autotuner?);
 #                                                 # the splits sweep: more programs per SM than the default 512
 #                                                 # (and 2 warps): is the kernel short of memory-level parallelism?
 #   BENCH_ARGS=--quick ...                        # small sizes (the CPU smoke run of this script)
