@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxkv
-from jaxkv.caches.container import spec_axis_devices
+from jaxkv.caches.container import check_auto_axes, spec_axis_devices
 from jaxkv.generation import GenerateOutput
 
 __all__ = [
@@ -167,6 +167,7 @@ class ShardedModel(nnx.Module):
     """A decoder whose caches are sharded on ``mesh`` and whose batch is split on ``"data"``."""
 
     def __init__(self, model: nnx.Module, mesh: Mesh):
+        check_auto_axes(mesh, "ShardedModel")
         self.model = model
         self.mesh = mesh
 
@@ -190,6 +191,7 @@ class ShardedModel(nnx.Module):
 def sharded_model(model: nnx.Module, mesh: Mesh, rules=LLAMA_RULES) -> ShardedModel:
     """``model`` with its parameters placed by ``rules``, wrapped so that
     :func:`jaxkv.generate` / :func:`jaxkv.stream` shard the cache and the batch on ``mesh``."""
+    check_auto_axes(mesh, "sharded_model")  # before the parameters move
     return ShardedModel(shard_params(model, mesh, rules), mesh)
 
 

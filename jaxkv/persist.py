@@ -443,7 +443,18 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
     """Per leaf: where the loaded array goes (None: the default device)."""
     leaves = jax.tree.leaves(abstract)
     if like is not None:
-        return [getattr(x, "sharding", None) for x in jax.tree.leaves(like)]
+        # A leaf of jax.eval_shape(cache) has no sharding (jax 0.10): a sharded cache's own
+        # layout then says where it goes (it loaded onto one device, the static field
+        # still naming the mesh; review 64).
+        def targets_of(node):
+            own = [getattr(x, "sharding", None) for x in jax.tree.leaves(node)]
+            if not (isinstance(node, KVCache) and node.sharding is not None) or all(s is not None for s in own):
+                return own
+            spec = _fitted_spec(node.sharding, node._name, node.batch_size)
+            derived = jax.tree.leaves(_tree_shardings(node, node.sharding.mesh, spec))
+            return [d if o is None else o for o, d in zip(own, derived)]
+
+        return [t for node in jax.tree.leaves(like, is_leaf=lambda x: isinstance(x, KVCache)) for t in targets_of(node)]
     if sharding is None:
         return [None] * len(leaves)
     if isinstance(sharding, NamedSharding):

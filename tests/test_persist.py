@@ -559,6 +559,10 @@ SHARDED = textwrap.dedent(
     check(restored, 4)
     check(load_cache(path), 1)
     check(load_cache(path, like=cache(layout(devices[4:], (2, 2)))), 4)
+    # like= an abstract cache (jax.eval_shape): its leaves carry no sharding in jax 0.10, the
+    # cache's own layout places them (everything landed on one device; review 64)
+    abstract = jax.eval_shape(lambda: cache(layout(devices[4:], (2, 2))))
+    check(load_cache(path, like=abstract), 4)
     import shutil
     shutil.rmtree(os.path.join(path, "state"))
     try:

@@ -279,6 +279,17 @@ KINDS = textwrap.dedent(
         }
         for op_name, op in ops.items():  # eagerly the same code runs (checked for static above)
             check(jax.jit(op)(filled), f"{name} {op_name} jit")
+        # Eager op-by-op writes keep every leaf readable: an eager sharding constraint of a
+        # zero-size leaf (a float page pool's scales) made an unreadable array (review 64).
+        written = make(spec).write(k, k, 0)[0]
+        check(written, name + " eager write")
+        [np.asarray(x) for x in jax.tree.leaves(written)]
+        pickle.loads(pickle.dumps(written))
+        # Eager crop and reset leave the sharded buffers as they are (no copy of the cache).
+        for op_name, op in (("crop", lambda c: c.crop(-1)), ("reset", lambda c: c.reset(jnp.array([True, False, True, False])))):
+            out = op(filled)
+            check(out, f"{name} {op_name} eager")
+            assert out.stores[-1].keys is filled.stores[-1].keys, (name, op_name, "copied")
         # A sharded cache pickles (the mesh by axis names and device ids) and comes back
         # onto the same mesh with the same contents.
         back = pickle.loads(pickle.dumps(filled))
@@ -292,6 +303,18 @@ KINDS = textwrap.dedent(
         restored = serialization.from_bytes(make(spec), serialization.to_bytes(filled))
         check(restored, name + " from_bytes")
         np.testing.assert_array_equal(np.asarray(restored.lengths), np.asarray(filled.lengths))
+    # A mesh of Explicit axes (jax.make_mesh's default) or a sharding into host memory: the
+    # init took them and every op then failed (or the buffers stayed in device memory).
+    from jax.sharding import AxisType
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    for bad, match in ((NamedSharding(explicit, P("data", "model")), "the mesh's axes must be Auto"),
+                       (spec.with_memory_kind("pinned_host"), "asks for memory kind 'pinned_host'")):
+        try:
+            StaticCache.init(num_layers=1, max_length=8, sharding=bad, **sizes)
+        except ValueError as err:
+            assert match in str(err), err
+        else:
+            raise AssertionError(match)
     print("ok")
     """
 )

@@ -696,11 +696,23 @@ class KVCache:
             return self
         spec = _fitted_spec(self.sharding, self._name, self.batch_size)
         targets = _tree_shardings(dataclasses.replace(self, sharding=None), self.sharding.mesh, spec)
-        out = jax.tree.map(jax.lax.with_sharding_constraint, dataclasses.replace(self, sharding=None), targets)
+        out = jax.tree.map(_constrain, dataclasses.replace(self, sharding=None), targets)
         return dataclasses.replace(out, sharding=self.sharding)
 
 
 register_dataclass(KVCache, data_fields=list(KVCache._data_fields), meta_fields=list(KVCache._meta_fields))
+
+
+def _constrain(x: Any, target: NamedSharding) -> Any:
+    """``x`` laid out as ``target``: a constraint inside a trace; a concrete array is placed
+    there (the same array when it already is). An eager with_sharding_constraint of a
+    zero-size leaf (a float page pool's scales, a quantized cache without residual) made an
+    array whose shards did not match its layout: it could not be read, pickled or saved."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, target)
+    return jax.device_put(x, target)
+
+
 _fields_init = KVCache.__init__
 
 
@@ -765,7 +777,7 @@ class _EagerProgram:
     def __call__(self, *args):
         statics = tuple((i, args[i]) for i in sorted(self._static))
         leaves, treedef = jax.tree.flatten([a for i, a in enumerate(args) if i not in self._static])
-        key = (treedef, statics, tuple(_typeof(x) for x in leaves))
+        key = (treedef, statics, tuple(_typeof(x) for x in leaves), tuple(_placement(x) for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(treedef, statics, leaves)
@@ -783,11 +795,25 @@ class _EagerProgram:
 
         closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
         inputs = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
+        # A constraint to the layout an input already has passes it through as well: every
+        # op of a sharded cache ends in one (the whole cache was copied by its crop, reset
+        # or fork; review 64).
+        for eqn in closed.jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint" and id(eqn.invars[0]) in inputs:
+                i = inputs[id(eqn.invars[0])]
+                have = _placement(leaves[i])
+                if have is not None and have.is_equivalent_to(eqn.params["sharding"], leaves[i].ndim):
+                    inputs[id(eqn.outvars[0])] = i
         passed = [inputs.get(id(v)) for v in closed.jaxpr.outvars]
         keep = [i for i, p in enumerate(passed) if p is None]
         traced = _jaxpr_as_fun(closed)  # the program as traced once: no second trace of fn
         program = jax.jit(lambda *xs: [out for i, out in enumerate(traced(*xs)) if i in keep])
         return jax.tree.structure(out_shape), passed, program
+
+
+def _placement(x: Any) -> Any:
+    """A concrete array's sharding (part of an eager program's plan), else None."""
+    return x.sharding if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
 
 
 _update_program = _EagerProgram(_update_arrays)
@@ -843,7 +869,29 @@ def _one_layer_spec(sharding: Any, who: str) -> tuple:
             f"{who}.init: the sharding spec describes one layer [B, H, S, D] and may have "
             f"at most 4 entries, got {sharding.spec}."
         )
+    check_auto_axes(sharding.mesh, f"{who}.init")
+    if sharding.memory_kind not in (None, "device"):
+        # (the buffers were made in device memory while the sharding said otherwise)
+        raise ValueError(
+            f"{who}.init: the sharding asks for memory kind {sharding.memory_kind!r}; a cache's sharding places it "
+            "in device memory. For a cache in host memory use jaxkv.OffloadedCache."
+        )
     return spec + (None,) * (4 - len(spec))
+
+
+def check_auto_axes(mesh: Any, who: str) -> None:
+    """A ValueError unless every axis of ``mesh`` is ``AxisType.Auto``: the cache ops' gathers,
+    scatters and sharding constraints are written for Auto axes (``jax.make_mesh`` makes
+    Explicit ones by default in jax >= 0.7: every op then failed after the init took them)."""
+    types = getattr(mesh, "axis_types", None)
+    auto = getattr(getattr(jax.sharding, "AxisType", None), "Auto", None)
+    if types is None or auto is None or all(t == auto for t in types):
+        return
+    kinds = ", ".join(f"{name}: {getattr(t, 'name', t)}" for name, t in zip(mesh.axis_names, types))
+    raise ValueError(
+        f"{who}: the mesh's axes must be Auto, got ({kinds}); build it with jax.make_mesh(shape, names, "
+        "axis_types=(jax.sharding.AxisType.Auto,) * len(names)) or jax.sharding.Mesh(devices, names)."
+    )
 
 
 def spec_axis_devices(mesh: Any, axes: Any) -> int:
