@@ -69,7 +69,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-if "flax" in __import__("sys").modules:  # flax already loaded: let flax.serialization save caches
+if __import__("sys").modules.get("flax") is not None:  # flax already loaded: let flax.serialization save caches
     from jaxkv.serialization import register_flax_serialization
 
     register_flax_serialization()

@@ -28,6 +28,8 @@ import time
 from importlib import resources
 from typing import Any, TextIO
 
+from jaxkv import _env
+
 EMBEDDED_MODEL = "pycoder"
 
 # Cache positions are int32.
@@ -41,13 +43,12 @@ _TOKENS_PER_CALL = 16
 
 def compilation_cache_dir() -> str | None:
     """Where the CLI keeps compiled programs; None when ``JAXKV_COMPILATION_CACHE=0``."""
-    setting = os.environ.get("JAXKV_COMPILATION_CACHE", "")
-    if setting == "0":
+    setting = os.environ.get("JAXKV_COMPILATION_CACHE", "").strip()
+    if setting.lower() in ("0", "false", "off", "no"):
         return None
     if setting:
         return setting
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxkv", "xla")
+    return _env.home_cache("jaxkv", "xla")  # None without a home directory: no caching
 
 
 def _use_compilation_cache() -> None:
@@ -69,6 +70,12 @@ def _use_compilation_cache() -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError:
+        return
+    if not os.access(directory, os.W_OK | os.X_OK):
+        # (JAX would warn at every program it could not write: 14 two-line warnings, some
+        # in the middle of the generated text)
+        _note(f"[jaxkv] compilation cache {directory} is not writable: programs are compiled on every run "
+              "(set JAXKV_COMPILATION_CACHE to a writable directory, or 0)")
         return
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -284,9 +291,20 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxkv._checks import model_vocab_size
-    from jaxkv.generation import NAN_TOKEN, stream
-    from jaxkv.models import CheckpointError, from_pretrained
+    try:
+        from jaxkv._checks import model_vocab_size
+        from jaxkv.generation import NAN_TOKEN, stream
+        from jaxkv.models import CheckpointError, from_pretrained
+    except ImportError as err:  # a core-only install (jax alone): no models
+        raise CliError(f"jaxkv generate needs the models extra ({err}): pip install 'jaxkv[models]'") from None
+
+    # The switches the run will read deep inside attention: a bad value is this command's
+    # one-line error now, not a traceback after the prompt was echoed.
+    try:
+        _env.off("JAXKV_CPU_KERNEL")
+        _env.switch("JAXKV_PALLAS_GPU", "auto", ("auto",))
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -332,6 +350,16 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         if _kernels.start_background_build():
             _note("[jaxkv] the CPU attention kernel is being built in the background (once per machine, "
                   "about a minute); this run uses the slower XLA path")
+        else:
+            # Loaded now (it is built), or why not (no compiler, a build that failed): one line
+            # before the text, not a warning in the middle of its first line.
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _kernels.available()
+            for warning in caught:
+                _note("[jaxkv] " + " ".join(str(warning.message).split()))
 
     generated = 0
     detokenizer = Detokenizer(loaded.tokenizer, ids)

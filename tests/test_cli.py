@@ -433,3 +433,66 @@ def test_argparse_errors_are_one_line_too(args, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(("jaxkv generate: error:", "jaxkv: error:")), captured.err
     assert captured.out == ""
+
+
+def test_environment_problems_are_one_line_each(tmp_path, monkeypatch, capsys):
+    """Review 66: a bad JAXKV_PALLAS_GPU was a 45-line traceback after the prompt was echoed;
+    an unwritable compilation cache was 14 two-line JAX warnings inside the text; a core-only
+    install (no flax) was an 11-line ModuleNotFoundError."""
+    import jax
+
+    from jaxkv.cli import _use_compilation_cache
+
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    monkeypatch.setenv("JAXKV_PALLAS_GPU", "yes")
+    assert main(["generate", "x = 1", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines() == [
+        "jaxkv: error: JAXKV_PALLAS_GPU must be one of 'auto', '1', '0' (or true / false, or unset), got 'yes'."]
+    monkeypatch.delenv("JAXKV_PALLAS_GPU")
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        monkeypatch.setenv("JAXKV_COMPILATION_CACHE", str(tmp_path / "xla"))
+        monkeypatch.setattr(os, "access", lambda path, mode: False)  # (root may write anywhere)
+        _use_compilation_cache()
+        monkeypatch.undo()
+        assert jax.config.jax_compilation_cache_dir is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("[jaxkv] compilation cache ") and "is not writable" in err[0], err
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+    # No kernel on CPU (no compiler, a failed build): its warning is one line before the
+    # text (it landed in the middle of the text's first line).
+    import warnings
+
+    from jaxkv import _kernels
+
+    warned = []
+
+    def unavailable():  # as the real one: it warns once
+        if not warned:
+            warned.append(1)
+            warnings.warn("jaxkv: the CPU decode-attention kernel is unavailable (no C++ compiler found);\n "
+                          "attention runs the XLA loop", RuntimeWarning, stacklevel=2)
+        return False
+
+    monkeypatch.setattr(_kernels, "start_background_build", lambda: False)
+    monkeypatch.setattr(_kernels, "available", unavailable)
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
+    if jax.default_backend() == "cpu":
+        assert main(["generate", "def f(", "--max-new-tokens", "2"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith("def f(") and "kernel" not in captured.out
+        assert captured.err.strip().splitlines()[0] == ("[jaxkv] jaxkv: the CPU decode-attention kernel is unavailable "
+                                                         "(no C++ compiler found); attention runs the XLA loop")
+    monkeypatch.undo()
+
+    no_flax = "import sys; sys.modules['flax'] = None; from jaxkv.cli import main; sys.exit(main(['generate', 'x = 1']))"
+    done = subprocess.run([sys.executable, "-c", no_flax], capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.strip().splitlines() == [
+        "jaxkv: error: jaxkv generate needs the models extra (import of flax halted; None in sys.modules): "
+        "pip install 'jaxkv[models]'"], done.stderr

@@ -168,3 +168,73 @@ def test_a_damaged_or_untrusted_build_is_never_loaded(tmp_path, monkeypatch):
         fallback_dir.chmod(0o700)
         os.chown(fallback_dir, 12345, -1)
         assert _kernels.built() is None
+
+
+def test_a_failed_build_is_remembered_and_said_at_once(tmp_path, monkeypatch):
+    """A compiler that runs but fails (too old, headers missing): the CLI's background
+    builder retried at every run, silently (stderr to /dev/null), ~45 s each (review 66).
+    The failure is noted beside the build: later builds raise its message without running
+    the compiler, and the background build starts none (available() then says why)."""
+    import stat
+
+    fake, log = tmp_path / "bad-cxx", tmp_path / "runs"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo bad-cxx 1.0; exit 0; fi\n'
+        f'echo run >> "{log}"\n'
+        'echo "error: C++17 not supported" >&2; exit 1\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("JAXKV_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAXKV_CPU_KERNEL", raising=False)
+    monkeypatch.setattr(_kernels, "_state", {})
+    with pytest.raises(RuntimeError, match="C\\+\\+17 not supported"):
+        _kernels.build()
+    with pytest.raises(RuntimeError, match=r"(?s)C\+\+17 not supported.*this build failed before; delete .*\.failed"):
+        _kernels.build()
+    assert _kernels.start_background_build() is False
+    with pytest.warns(RuntimeWarning, match="C\\+\\+17 not supported"):
+        assert _kernels.available() is False
+    assert log.read_text() == "run\n"  # the compiler ran once
+
+
+def test_no_home_directory_puts_builds_in_the_private_fallback(tmp_path, monkeypatch):
+    """Without HOME and a passwd entry, "~" stays "~": the kernel cache was ./~/.cache/jaxkv
+    in whatever directory the program ran from (review 66)."""
+    import os
+    import tempfile
+
+    from jaxkv.cli import compilation_cache_dir
+
+    monkeypatch.delenv("JAXKV_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("JAXKV_COMPILATION_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    assert _kernels._cache_dir() == _kernels._fallback_dir() and _kernels._cache_dir().is_absolute()
+    assert compilation_cache_dir() is None  # no caching rather than a relative directory
+
+
+@pytest.mark.parametrize("value,want", [("", "1"), ("1", "1"), ("TRUE", "1"), ("0", "0"), (" false ", "0")])
+def test_environment_switches_read_one_way(value, want, monkeypatch):
+    from jaxkv import _env
+
+    monkeypatch.setenv("JAXKV_CPU_KERNEL", value)
+    assert _env.switch("JAXKV_CPU_KERNEL", "1") == want
+    if want == "0":
+        assert _kernels.available() is False
+
+
+@pytest.mark.parametrize("name,value", [("JAXKV_CPU_KERNEL", "off"), ("JAXKV_PALLAS_GPU", "yes")])
+def test_a_bad_switch_value_is_an_error_naming_it(name, value, monkeypatch):
+    """JAXKV_CPU_KERNEL=off was read as on; JAXKV_PALLAS_GPU= (empty) was an error while the
+    others took empty as unset (review 66)."""
+    from jaxkv import _env
+    from jaxkv.attention import pallas_gpu
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name} must be one of .*got '{value}'"):
+        _env.switch(name, "1", ("auto",) if name == "JAXKV_PALLAS_GPU" else ())
+    monkeypatch.setenv("JAXKV_PALLAS_GPU", "")
+    assert pallas_gpu.use_pallas(jnp.ones((1, 2, 1, 16)), None) is False  # empty: auto (no GPU here)

@@ -576,7 +576,7 @@ def test_forced_dispatch_takes_the_kernel_with_a_traced_layer(monkeypatch):
     monkeypatch.setenv(pallas_gpu.ENV_VAR, "auto")
     assert ("pallas_call" in program(*args)) == (jax.default_backend() == "gpu")
     monkeypatch.setenv(pallas_gpu.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="JAXKV_PALLAS_GPU must be 'auto', '1' or '0'"):
+    with pytest.raises(ValueError, match="JAXKV_PALLAS_GPU must be one of 'auto', '1', '0'"):
         program(*args)
 
 

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import jax
 
+from jaxkv import _env
+
 __all__ = [
     "available", "build", "built", "start_background_build", "PAGED_QUANTIZED_TARGET", "PAGED_TARGET",
     "QUANTIZED_TARGET", "TARGET",
@@ -83,8 +85,10 @@ def _cache_dir() -> Path:
     explicit = os.environ.get("JAXKV_KERNEL_CACHE")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxkv"
+    home = _env.home_cache("jaxkv")
+    # No home directory: the temp-directory fallback (a relative "~" put the library in
+    # whatever directory the program ran from, and loaded one found there).
+    return Path(home) if home is not None else _fallback_dir()
 
 
 def _plan(compiler: str | None = None) -> tuple[str, str, list[Path]]:
@@ -158,6 +162,18 @@ def _existing(name: str, candidates: list[Path]) -> Path | None:
     return None
 
 
+def _failed(name: str, candidates: list[Path]) -> Path | None:
+    """The note a failed build of ``name`` left (the compiler's message), if any."""
+    for directory in candidates:
+        note = directory / f"{name}.failed"
+        try:
+            if note.is_file() and _trusted(directory):
+                return note
+        except OSError:
+            continue
+    return None
+
+
 def _writable(candidates: list[Path]) -> Path:
     for directory in candidates:  # the first one we can write to (a read-only home falls back to /tmp)
         try:
@@ -179,13 +195,21 @@ def build(compiler: str | None = None) -> Path:
     compiler, name, candidates = _plan(compiler)
     if (found := _existing(name, candidates)) is not None:
         return found
+    if (failed := _failed(name, candidates)) is not None:
+        # The same source, flags and compiler failed before: say so again at once (the
+        # CLI's background builder retried, silently, on every run).
+        raise RuntimeError(f"{failed.read_text()[-2000:]}\n(this build failed before; delete {failed} to try again)")
     out = _writable(candidates) / name
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         cmd = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+            message = f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}"
+            note = Path(tmp) / f"{out.name}.failed"
+            note.write_text(message)
+            os.replace(note, out.parent / note.name)
+            raise RuntimeError(message)
         digest = Path(tmp) / f"{out.name}.sha256"
         digest.write_text(_digest(partial) + "\n")
         os.replace(partial, out)  # atomic: a concurrent build finds a whole file or none
@@ -207,15 +231,15 @@ def start_background_build() -> bool:
     off (``JAXKV_CPU_KERNEL=0``), or cannot be built here (no compiler, no writable
     directory: ``available()`` then warns as usual).
     """
-    if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
+    if _env.off("JAXKV_CPU_KERNEL"):
         return False
     with _lock:
         if "ok" in _state:
             return False
         try:
             compiler, name, candidates = _plan()
-            if _existing(name, candidates) is not None:
-                return False
+            if _existing(name, candidates) is not None or _failed(name, candidates) is not None:
+                return False  # built, or this build failed before: available() loads it or says why
             directory = _writable(candidates)
         except (RuntimeError, OSError):
             return False
@@ -249,7 +273,7 @@ def available() -> bool:
     free. False when ``JAXKV_CPU_KERNEL=0``, the build failed (warned once), or
     :func:`start_background_build` left the build to another process.
     """
-    if os.environ.get("JAXKV_CPU_KERNEL", "1") == "0":
+    if _env.off("JAXKV_CPU_KERNEL"):
         return False
     with _lock:
         if "ok" not in _state:

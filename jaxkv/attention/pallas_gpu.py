@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Any
 
 import jax
@@ -96,6 +95,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv import _env
 from jaxkv.attention.blockwise import check_int_inputs, check_softcap, check_view_lengths, dense_equivalent
 from jaxkv.attention.blockwise import (
     blockwise_attend,
@@ -126,9 +126,7 @@ def use_pallas(queries: jax.Array, view: Any) -> bool:
     ``JAXKV_PALLAS_GPU`` decides (``auto``, ``1``, ``0``; see :data:`ENV_VAR`); in every
     mode the inputs must be ones the kernels take (:func:`unsupported_reason`).
     """
-    mode = os.environ.get(ENV_VAR, "auto")
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"{ENV_VAR} must be 'auto', '1' or '0', got {mode!r}.")
+    mode = _env.switch(ENV_VAR, "auto", ("auto",))
     if mode == "0" or (mode == "auto" and _default_platform() != "gpu"):
         return False
     return unsupported_reason(queries, view) is None
