@@ -189,3 +189,33 @@ def test_quantized_caches_keep_a_non_finite_token_non_finite(bad):
             assert np.isfinite(outs[name][0, :, 0]).all(), (name, where)  # the one that does not
         for name in ("int8", "int4", "paged int8"):  # query 0 sees token 0 only: within the codec's error
             np.testing.assert_allclose(outs[name][0, :, 0], outs["static"][0, :, 0], atol=0.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_an_infinite_scale_stays_non_finite_in_16_bit_models(dtype):
+    """Dequantizing to a 16-bit dtype clips products past its largest value (a rounded-up
+    scale), and clipped an inf scale too: the XLA loop and dense reads gave finite rows
+    where the kernels gave NaN (review 65). Only finite products are clipped now."""
+    from jaxkv.attention.blockwise import quantized_blockwise_attend
+    from jaxkv.caches.quantized import dequantize
+    from jaxkv.caches.views import QuantizedView
+
+    top = float(jnp.finfo(dtype).max)
+    got = np.asarray(dequantize(jnp.array([[127, -127]], jnp.int8), jnp.array([jnp.inf]), dtype=dtype), np.float32)
+    assert np.isinf(got).all() and (np.sign(got) == [[1, -1]]).all()
+    saturated = dequantize(jnp.array([[127]], jnp.int8), jnp.array([top / 100]), dtype=dtype)
+    assert float(saturated[0, 0]) == top  # a finite product past the dtype's range: clipped, as before
+    rng = np.random.default_rng(0)
+    codes = jnp.asarray(rng.integers(1, 100, (1, 1, 1, 16, 16)), jnp.int8)
+    for which in ("key", "value"):
+        scales = [np.full((1, 1, 1, 16), 0.01, np.float32) for _ in range(2)]
+        scales[which == "value"][0, 0, 0, 2] = np.inf  # slot 2: seen by the query at position 3
+        empty = jnp.zeros((1, 1, 0, 16), dtype)
+        view = QuantizedView(codes, codes, *map(jnp.asarray, scales), empty, empty, jnp.zeros((1, 0), jnp.int32),
+                             jnp.int32(0), jnp.array([4], jnp.int32), 8, dtype, jnp.float32)
+        q = jnp.asarray(rng.standard_normal((1, 1, 1, 16)), dtype)
+        out = quantized_blockwise_attend(q, view, q_positions=jnp.array([[3]], jnp.int32), implementation="xla")
+        assert np.isnan(np.asarray(out, np.float32)).all(), which
+        dense = view.dense()
+        out = attend(q, dense.keys, dense.values, q_positions=jnp.array([[3]], jnp.int32), kv_lengths=dense.kv_lengths)
+        assert np.isnan(np.asarray(out, np.float32)).all(), which

@@ -26,6 +26,11 @@ the native CPU kernel of :mod:`jaxkv.attention.blockwise`:
 (``implementation="jax"`` tells non-finite logits from non-finite queries and keys, so
 a product of finite ones that overflows is not caught there.)
 
+Values are assumed well inside float32's range: the blockwise loop and the kernels add up
+weighted values before normalising, so values near float32's largest (|v| ~ 1e37 and more,
+float32 or bfloat16 caches) can overflow that sum and give a NaN row where :func:`attend`,
+which normalises first, stays finite (review 65; no model's activations are near it).
+
 The computation is written as max / sum-of-exponentials / weighted-sum over slots so
 that a blockwise version (reading only the filled blocks, cost scaling with tokens
 stored instead of capacity) can replace the body without changing this interface.

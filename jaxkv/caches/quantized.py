@@ -130,8 +130,12 @@ def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) 
     # A scale is rounded up, so qmax * scale may pass a narrow dtype's largest value (float16:
     # 127 * 516 = 65532 for a stored 65504): clip, or a finite token would read back as inf.
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        # Only where the scale is finite: a non-finite scale stays non-finite (clipped, an
+        # inf scale read as the dtype's largest value, a finite number, on the XLA and
+        # dense paths where the kernels made the row NaN; review 65). A finite scale whose
+        # product passes even float32's range (bfloat16 near its largest value) is clipped.
         top = jnp.float32(jnp.finfo(dtype).max)
-        out = jnp.clip(out, -top, top)
+        out = jnp.where(jnp.isfinite(scale)[..., None], jnp.clip(out, -top, top), out)
     return out.astype(dtype)
 
 
