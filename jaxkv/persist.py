@@ -57,7 +57,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.caches._checks import INVALID, OUT_OF_PAGES
-from jaxkv.caches.container import KVCache, _fitted_spec, _tree_shardings, memory_place, place_sharding, spec_axis_devices
+from jaxkv.caches.container import (
+    KVCache,
+    _fitted_spec,
+    _tree_shardings,
+    check_divisible,
+    memory_place,
+    place_sharding,
+)
 from jaxkv.caches.paged import NO_PAGE as _NO_PAGE
 
 __all__ = [
@@ -460,17 +467,9 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
     if isinstance(sharding, NamedSharding):
         def place(node):
             if isinstance(node, KVCache):
-                spec = _fitted_spec(sharding, node._name, node.batch_size)
-                axes = spec[1] if len(spec) > 1 else None  # kv heads must split evenly (rows fall back)
-                names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-                devices = spec_axis_devices(sharding.mesh, axes)
-                heads = node.stores[0].keys.shape[2] if node.stores else None
-                if heads is not None and heads % devices:
-                    raise ValueError(
-                        f"load_cache({path!r}): the saved {node._name} has num_kv_heads={heads}, which does not "
-                        f"split over mesh axes {names} ({devices} devices) of sharding spec {tuple(sharding.spec)}; "
-                        f"shard that axis over a divisor of {heads} devices (None: replicated)."
-                    )
+                spec = _fitted_spec(sharding, node._name, node.batch_size)  # rows that do not split: replicated
+                if node.stores:  # kv heads and every other sharded axis must split evenly
+                    check_divisible(node, spec, sharding, f"load_cache({path!r}): the saved {node._name}")
                 return _tree_shardings(node, sharding.mesh, spec)
             return NamedSharding(sharding.mesh, P())  # anything else: replicated over the mesh
 

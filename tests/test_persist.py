@@ -586,6 +586,13 @@ SHARDED = textwrap.dedent(
         assert "num_kv_heads=4" in str(err) and "does not split over mesh axes" in str(err), err
     else:
         raise AssertionError("4 kv heads loaded over 8 devices")
+    # ...and a sequence axis that does not split (it was JAX's IndivisibleError; review 64)
+    try:
+        load_cache(other, sharding=NamedSharding(Mesh(devices[:3], ("s",)), P(None, None, "s")))
+    except ValueError as err:
+        assert "the saved StaticCache: max_length (slots)=16 does not split over mesh axes ('s',)" in str(err), err
+    else:
+        raise AssertionError("16 slots loaded over 3 devices")
     print("OK")
     """
 )

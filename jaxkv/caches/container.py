@@ -170,26 +170,7 @@ class KVCache:
             return make()
         spec = _one_layer_spec(sharding, cls.__name__)
         shape = jax.eval_shape(make)
-        # Rows and kv heads must split evenly, and every other sharded axis of every buffer
-        # (XLA's own error names the internal buffer: a sequence axis of 37 slots over 4
-        # devices was an IndivisibleError about [L, B, H, S, D]).
-        named = dict(zip(_SPEC_AXES, spec))
-        checks = [("batch_size", batch_size, spec[0]), ("num_kv_heads", shape.stores[0].keys.shape[2], spec[1])]
-        labels = {"seq": "max_length (slots)", "dim": "head_dim"}
-        for store in shape.stores:
-            for field, axes in type(store).LEAF_AXES.items():
-                for axis, n in zip(axes, getattr(store, field).shape):
-                    if axis in labels and named.get(axis) is not None:
-                        checks.append((labels[axis], n, named[axis]))
-        for name, n, axes in checks:
-            names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-            devices = spec_axis_devices(sharding.mesh, axes)
-            if n % devices:
-                raise ValueError(
-                    f"{cls.__name__}.init: {name}={n} does not split over mesh axes {names} ({devices} devices) "
-                    f"of sharding spec {tuple(sharding.spec)}; use a multiple of {devices}, or shard that axis "
-                    "over fewer devices (None: replicated)."
-                )
+        check_divisible(shape, spec, sharding, f"{cls.__name__}.init")
         out = jax.jit(make, out_shardings=_tree_shardings(shape, sharding.mesh, spec))()
         return dataclasses.replace(out, sharding=sharding)
 
@@ -877,6 +858,30 @@ def _one_layer_spec(sharding: Any, who: str) -> tuple:
             "in device memory. For a cache in host memory use jaxkv.OffloadedCache."
         )
     return spec + (None,) * (4 - len(spec))
+
+
+def check_divisible(cache: KVCache, spec: tuple, sharding: NamedSharding, who: str) -> None:
+    """A ValueError naming the size unless every sharded axis of every buffer of ``cache``
+    (concrete or abstract) splits evenly over its mesh axes under the one-layer ``spec``:
+    XLA's own error names the internal buffer (a sequence axis of 37 slots over 4 devices
+    was an IndivisibleError about [L, B, H, S, D])."""
+    named = dict(zip(_SPEC_AXES, spec))
+    checks = [("batch_size", cache.lengths.shape[-1], spec[0]), ("num_kv_heads", cache.stores[0].keys.shape[2], spec[1])]
+    labels = {"seq": "max_length (slots)", "dim": "head_dim"}
+    for store in cache.stores:
+        for field, axes in type(store).LEAF_AXES.items():
+            for axis, n in zip(axes, getattr(store, field).shape):
+                if axis in labels and named.get(axis) is not None:
+                    checks.append((labels[axis], n, named[axis]))
+    for name, n, axes in checks:
+        names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+        devices = spec_axis_devices(sharding.mesh, axes)
+        if n % devices:
+            raise ValueError(
+                f"{who}: {name}={n} does not split over mesh axes {names} ({devices} devices) "
+                f"of sharding spec {tuple(sharding.spec)}; use a multiple of {devices}, or shard that axis "
+                "over fewer devices (None: replicated)."
+            )
 
 
 def check_auto_axes(mesh: Any, who: str) -> None:
