@@ -657,7 +657,8 @@ class PagedCache(KVCache):
         sub = dataclasses.replace(store, block_table=table)
         lengths = jnp.where(pad[None, :], 0, self.lengths[:, safe])
         flags = jnp.where(pad, 0, self.flags[safe])  # an empty row has no error of its own
-        return dataclasses.replace(self, stores=(sub,), lengths=lengths, flags=flags)
+        # laid out like every other op's result (a sharded cache: the pool stays as it is)
+        return dataclasses.replace(self, stores=(sub,), lengths=lengths, flags=flags)._constrained()
 
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
