@@ -30,6 +30,9 @@ Values are assumed well inside float32's range: the blockwise loop and the kerne
 weighted values before normalising, so values near float32's largest (|v| ~ 1e37 and more,
 float32 or bfloat16 caches) can overflow that sum and give a NaN row where :func:`attend`,
 which normalises first, stays finite (review 65; no model's activations are near it).
+Likewise for logits: the CPU kernel scales the queries before the product, the other paths
+the product, so a ``q . k`` past float32's range (but not ``(q * scale) . k``) is a NaN row
+everywhere but on the CPU kernel.
 
 The computation is written as max / sum-of-exponentials / weighted-sum over slots so
 that a blockwise version (reading only the filled blocks, cost scaling with tokens
