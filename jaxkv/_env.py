@@ -1,15 +1,16 @@
 """The package's environment switches, read one way (core: no dependency beyond the stdlib).
 
-An unset or empty variable takes its default; ``1``/``true`` and ``0``/``false`` (any case)
-are the on/off spellings; anything else is a ``ValueError`` naming the variable and what it
-takes (``JAXKV_CPU_KERNEL=off`` used to be read as "on" and ``JAXKV_PALLAS_GPU=`` as an error).
+An unset or empty variable takes its default; ``1``/``true``/``on``/``yes`` and
+``0``/``false``/``off``/``no`` (any case) are the on/off spellings; anything else is a
+``ValueError`` naming the variable and what it takes (``JAXKV_CPU_KERNEL=off`` used to be read
+as "on" and ``JAXKV_PALLAS_GPU=`` as an error).
 """
 
 from __future__ import annotations
 
 import os
 
-_ON, _OFF = ("1", "true"), ("0", "false")
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 def switch(name: str, default: str, extra: tuple[str, ...] = ()) -> str:
@@ -25,7 +26,17 @@ def switch(name: str, default: str, extra: tuple[str, ...] = ()) -> str:
     if value in extra:
         return value
     takes = ", ".join(repr(v) for v in (*extra, "1", "0"))
-    raise ValueError(f"{name} must be one of {takes} (or true / false, or unset), got {raw!r}.")
+    raise ValueError(f"{name} must be one of {takes} (or true/on/yes, false/off/no, or unset), got {raw!r}.")
+
+
+def is_off(value: str) -> bool:
+    """Whether ``value`` is one of the off spellings (for a variable that is also a path)."""
+    return value.strip().lower() in _OFF
+
+
+def is_on(value: str) -> bool:
+    """Whether ``value`` is one of the on spellings (for a variable that is also a path)."""
+    return value.strip().lower() in _ON
 
 
 def off(name: str) -> bool:

@@ -44,10 +44,10 @@ _TOKENS_PER_CALL = 16
 def compilation_cache_dir() -> str | None:
     """Where the CLI keeps compiled programs; None when ``JAXKV_COMPILATION_CACHE=0``."""
     setting = os.environ.get("JAXKV_COMPILATION_CACHE", "").strip()
-    if setting.lower() in ("0", "false", "off", "no"):
+    if _env.is_off(setting):
         return None
-    if setting:
-        return setting
+    if setting and not _env.is_on(setting):  # a directory (an on spelling: the default one, not ./true)
+        return os.path.abspath(os.path.expanduser(setting))
     return _env.home_cache("jaxkv", "xla")  # None without a home directory: no caching
 
 

@@ -303,6 +303,7 @@ def _worker(args: argparse.Namespace) -> None:
                          for path, x in jax.tree_util.tree_flatten_with_path(state)[0]},
             cache_spec=list(cache.stores[0].keys.sharding.spec),
             cache_shard=list(cache.stores[0].keys.addressable_shards[0].data.shape),
+            cache_repr=repr(cache),  # (a global cache's repr read other processes' shards: review 67)
         )
     if jax.process_index() == 0:
         print(json.dumps(result | {"tokens": tokens.tolist()}), flush=True)

@@ -264,6 +264,15 @@ def _check_leaves(names: list[str], leaves: list[Any], who: str) -> None:
                 f"{who}: leaf {name} is traced (inside jit, vmap or scan); save the cache the jitted "
                 "function returns, outside it."
             )
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(f"{who}: leaf {name} is abstract (jax.eval_shape) and holds no values; save a concrete cache.")
+        if isinstance(leaf, int) and not isinstance(leaf, bool):
+            held = jnp.iinfo(jnp.asarray(0).dtype)  # what JAX makes of a Python int: int32, int64 with x64
+            if not held.min <= leaf <= held.max:
+                raise TypeError(
+                    f"{who}: leaf {name} is the Python int {leaf}, past the {held.dtype} JAX makes of it; save it "
+                    "as np.int64(...) (it loads with jax_enable_x64), or as a float."
+                )
         dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
             raise TypeError(
@@ -467,7 +476,8 @@ def _target_shardings(abstract: Any, like: Any, sharding: Any, path: str) -> lis
     if isinstance(sharding, NamedSharding):
         def place(node):
             if isinstance(node, KVCache):
-                spec = _fitted_spec(sharding, node._name, node.batch_size)  # rows that do not split: replicated
+                # rows that do not split: replicated
+                spec = _fitted_spec(sharding, f"load_cache({path!r})", node.batch_size)
                 if node.stores:  # kv heads and every other sharded axis must split evenly
                     check_divisible(node, spec, sharding, f"load_cache({path!r}): the saved {node._name}")
                 return _tree_shardings(node, sharding.mesh, spec)

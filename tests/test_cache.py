@@ -605,6 +605,10 @@ def test_a_transformers_cache_converts_and_bad_dynamic_layers_are_named():
     cache = DynamicCache.from_legacy_cache([(k, v, None), (v, k, None)])
     np.testing.assert_array_equal(np.asarray(cache[1][0]), v.detach().numpy())
     assert cache.get_seq_length(0) == 3
+    # A transformers 5 cache before its first forward: empty layers (review 67: JAX's
+    # "None is not a valid value for jnp.array").
+    empty = DynamicCache.from_legacy_cache([(None, None, None), (k, v, None)])
+    assert empty.layers[0] is None and empty.get_seq_length(1) == 3
     with pytest.raises(ValueError, match=r"layer 1 is a sliding-window layer of a transformers cache"):
         DynamicCache.from_legacy_cache([(k, v, None), (k, v, torch.tensor(2))])
     for layers, match in [

@@ -332,6 +332,14 @@ def test_compilation_cache_dir(monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", "/home/someone")
     assert compilation_cache_dir() == "/home/someone/.cache/jaxkv/xla"
+    # An on spelling is the default directory, not ./true; off spellings as the other switches;
+    # a relative directory is made absolute once (review 67).
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "true")
+    assert compilation_cache_dir() == "/home/someone/.cache/jaxkv/xla"
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "Off")
+    assert compilation_cache_dir() is None
+    monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "xla-here")
+    assert compilation_cache_dir() == os.path.join(os.getcwd(), "xla-here")
 
 
 def test_nan_logits_a_foreign_tokenizer_and_an_unwritable_stdout_are_one_line(tmp_path, monkeypatch, capsys):
@@ -444,11 +452,11 @@ def test_environment_problems_are_one_line_each(tmp_path, monkeypatch, capsys):
     from jaxkv.cli import _use_compilation_cache
 
     monkeypatch.setenv("JAXKV_COMPILATION_CACHE", "0")
-    monkeypatch.setenv("JAXKV_PALLAS_GPU", "yes")
+    monkeypatch.setenv("JAXKV_PALLAS_GPU", "gpu")
     assert main(["generate", "x = 1", "--max-new-tokens", "2"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip().splitlines() == [
-        "jaxkv: error: JAXKV_PALLAS_GPU must be one of 'auto', '1', '0' (or true / false, or unset), got 'yes'."]
+        "jaxkv: error: JAXKV_PALLAS_GPU must be one of 'auto', '1', '0' (or true/on/yes, false/off/no, or unset), got 'gpu'."]
     monkeypatch.delenv("JAXKV_PALLAS_GPU")
 
     before = jax.config.jax_compilation_cache_dir

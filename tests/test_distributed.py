@@ -74,6 +74,7 @@ def test_two_processes_of_four_devices_give_the_tokens_of_one_device():
     # [L, B, H, S, D]: each device holds 1 of 4 rows and 1 of 2 kv heads.
     assert got["cache_spec"] == [None, "data", "model", None, None]
     assert got["cache_shard"] == [2, 1, 1, 16, 16]
+    assert "lengths=<int32[2, 4] across processes>" in got["cache_repr"], got["cache_repr"]
 
 
 def test_workers_keep_the_callers_xla_flags_but_not_a_forced_device_count():

@@ -575,7 +575,7 @@ def test_forced_dispatch_takes_the_kernel_with_a_traced_layer(monkeypatch):
     assert "pallas_call" not in program(*args)
     monkeypatch.setenv(pallas_gpu.ENV_VAR, "auto")
     assert ("pallas_call" in program(*args)) == (jax.default_backend() == "gpu")
-    monkeypatch.setenv(pallas_gpu.ENV_VAR, "yes")
+    monkeypatch.setenv(pallas_gpu.ENV_VAR, "gpu")
     with pytest.raises(ValueError, match="JAXKV_PALLAS_GPU must be one of 'auto', '1', '0'"):
         program(*args)
 

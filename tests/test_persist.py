@@ -688,6 +688,13 @@ def test_leaves_that_are_not_numeric_arrays_are_named_errors(tmp_path):
         assert not path.exists()
     with pytest.raises(TypeError, match=r"leaf .* is traced \(inside jit"):
         jax.jit(lambda c: save_cache(tmp_path / "t", c))(cache)
+    # An abstract cache and a Python int JAX cannot hold were NumPy's and JAX's errors (review 67).
+    with pytest.raises(TypeError, match=r"leaf .*keys is abstract \(jax.eval_shape\) and holds no values"):
+        save_cache(tmp_path / "a", jax.eval_shape(lambda: cache))
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(TypeError, match=r"leaf \['seen'\] is the Python int 1099511627776, past the int32"):
+            save_cache(tmp_path / "a", {"seen": 2**40})
+    assert not (tmp_path / "a").exists()
 
 
 def test_python_number_leaves_load_back_in_both_formats_and_with_like(tmp_path):

@@ -168,7 +168,7 @@ class KVCache:
 
         if sharding is None:
             return make()
-        spec = _one_layer_spec(sharding, cls.__name__)
+        spec = _one_layer_spec(sharding, f"{cls.__name__}.init")
         shape = jax.eval_shape(make)
         check_divisible(shape, spec, sharding, f"{cls.__name__}.init")
         out = jax.jit(make, out_shardings=_tree_shardings(shape, sharding.mesh, spec))()
@@ -604,6 +604,8 @@ class KVCache:
                 return f"<{type(x).__name__} {jnp.dtype(x.dtype).name}{list(x.shape)}>"
             if not isinstance(x, (np.ndarray, jax.Array)):  # a placeholder leaf (in_axes, tree_map)
                 return repr(x)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:  # other processes hold parts of it
+                return f"<{jnp.dtype(x.dtype).name}{list(x.shape)} across processes>"
             return " ".join(np.array2string(np.asarray(x), separator=", ", threshold=64).split())
 
         try:
@@ -841,20 +843,20 @@ def check_cache(cache: Any, who: str) -> Any:
 def _one_layer_spec(sharding: Any, who: str) -> tuple:
     if not isinstance(sharding, NamedSharding):
         raise TypeError(
-            f"{who}.init: sharding must be a jax.sharding.NamedSharding over one layer's "
+            f"{who}: sharding must be a jax.sharding.NamedSharding over one layer's "
             f"[B, H, S, D] buffer, got {type(sharding).__name__}."
         )
     spec = tuple(sharding.spec)
     if len(spec) > 4:
         raise ValueError(
-            f"{who}.init: the sharding spec describes one layer [B, H, S, D] and may have "
+            f"{who}: the sharding spec describes one layer [B, H, S, D] and may have "
             f"at most 4 entries, got {sharding.spec}."
         )
-    check_auto_axes(sharding.mesh, f"{who}.init")
+    check_auto_axes(sharding.mesh, who)
     if sharding.memory_kind not in (None, "device"):
         # (the buffers were made in device memory while the sharding said otherwise)
         raise ValueError(
-            f"{who}.init: the sharding asks for memory kind {sharding.memory_kind!r}; a cache's sharding places it "
+            f"{who}: the sharding asks for memory kind {sharding.memory_kind!r}; a cache's sharding places it "
             "in device memory. For a cache in host memory use jaxkv.OffloadedCache."
         )
     return spec + (None,) * (4 - len(spec))

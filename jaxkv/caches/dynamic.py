@@ -89,6 +89,9 @@ class DynamicCache:
             if len(entry) == 3 and entry[2] is None:
                 # A transformers >= 5 cache iterates (keys, values, sliding window): None is a full layer.
                 entry = entry[:2]
+            if len(entry) in (2, 3) and entry[0] is None and entry[1] is None:
+                layers.append(None)  # a layer not written yet (transformers 5 before its first forward)
+                continue
             elif len(entry) == 3:
                 raise ValueError(
                     f"DynamicCache.from_legacy_cache: layer {i} is a sliding-window layer of a transformers "
@@ -350,7 +353,7 @@ class DynamicCache:
 
 
 def _check_same_batch(layers: Sequence[tuple[Array, Array]], who: str) -> None:
-    batches = {int(k.shape[0]) for k, _ in layers}
+    batches = {int(layer[0].shape[0]) for layer in layers if layer is not None}
     if len(batches) > 1:
         raise ValueError(f"{who}: all layers must share one batch size, got {sorted(batches)}.")
 
