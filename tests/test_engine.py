@@ -383,3 +383,21 @@ def test_nan_logits_give_the_nan_token_as_generate_does(model):
                               EngineRequest([37, 57, 41], 3, stop_token_ids=[0])])
     for completion in out:
         assert list(completion.tokens) == [-1, -1, -1] and completion.finish_reason == "length"
+
+
+def test_a_page_two_rows_write_stays_in_flight_until_both_are_done():
+    """Two rows of one prompt that ends on a page boundary both write its last page (neither
+    may reuse it: its last token's logits start generation). One of them preempted or done
+    must leave the page in flight for the other, so that a request extending the prompt
+    waits for it instead of computing it again (a set dropped the key; review 60)."""
+    import collections
+
+    from jaxkv.decoding.engine import _done_writing
+
+    in_flight = collections.Counter()
+    in_flight[b"last page"] += 1  # row A
+    in_flight[b"last page"] += 1  # row B, the same prompt
+    _done_writing(in_flight, b"last page")  # B preempted
+    assert b"last page" in in_flight
+    _done_writing(in_flight, b"last page")  # A indexed it
+    assert b"last page" not in in_flight and not in_flight
