@@ -561,7 +561,7 @@ def memory_table(batch: int, context: int) -> list[dict]:
           f"{r['weights'] / mib:.1f}", f"{r['cache'] / mib:.1f}", f"{r['activations'] / mib:.1f}",
           f"{r['expected'] / mib:.1f}",
           f"{r['measured_weights'] / mib:.1f} + {r['run_growth'] / mib:.1f} = {r['measured'] / mib:.1f}",
-          f"{r['ratio']:.2f} {'met' if r['ratio'] <= 1.1 else 'NOT met'}", f"{r['xla_temp'] / mib:.1f}",
+          f"{r['ratio']:.3f} {'met' if r['ratio'] <= 1.1 else 'NOT met'}", f"{r['xla_temp'] / mib:.1f}",
           f"{r['compile_peak_growth'] / mib:.0f}"] for r in rows],
     )
     return rows

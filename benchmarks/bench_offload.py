@@ -51,6 +51,12 @@ def measure(model, kind: str, batch: int, fill: int, capacity: int, repeats: int
     run_step = jax.jit(lambda s, t, c: decode_step(graphdef, s, t, c), donate_argnums=2)
     token, cache = run_prefill(state, ids, lengths, cache)
     live = {"token": token, "cache": cache}
+    # The first steps' tokens (compiled and checked before the clock): main() asserts that
+    # both kinds of cache decode the same ones, so the two timings are of one computation.
+    first = [np.asarray(token)]
+    for _ in range(4):
+        live["token"], live["cache"] = run_step(state, live["token"], live["cache"])
+        first.append(np.asarray(live["token"]))
 
     def step():
         live["token"], live["cache"] = run_step(state, live["token"], live["cache"])
@@ -59,7 +65,8 @@ def measure(model, kind: str, batch: int, fill: int, capacity: int, repeats: int
     # Other load on the machine only ever adds time: keep the best round's median.
     seconds = min(time_calls(step, repeats=repeats) for _ in range(rounds))
     out = live["cache"]
-    row = {"kind": kind, "capacity": capacity, "fill": fill, "ms": seconds * 1e3}
+    row = {"kind": kind, "capacity": capacity, "fill": fill, "ms": seconds * 1e3,
+           "first_tokens": np.stack(first, axis=1).tolist()}
     if kind == "offloaded":
         row["memory_kind"] = out.stores[0].keys.sharding.memory_kind
         row["bytes"] = step_copy_bytes(out)
@@ -85,7 +92,7 @@ def main() -> None:
     model = Llama(CONFIG, rngs=nnx.Rngs(0))
     rows, results = [], []
     for capacity in args.capacities:
-        if capacity < args.fill + args.rounds * (args.repeats + 3) + 8:
+        if capacity < args.fill + args.rounds * (args.repeats + 3) + 12:
             raise SystemExit(f"capacity {capacity} is too small for fill {args.fill} plus the timed steps")
         pair = {}
         for kind in ("device", "offloaded"):
@@ -97,6 +104,9 @@ def main() -> None:
         results.extend(pair.values())
         dev, off = pair["device"], pair["offloaded"]
         if "ms" in dev and "ms" in off:
+            if dev["first_tokens"] != off["first_tokens"]:
+                raise SystemExit(f"capacity {capacity}: the offloaded cache decoded other tokens than the device "
+                                 f"cache ({off['first_tokens']} against {dev['first_tokens']}): not one computation")
             moved = off["bytes"]["to_device"] + off["bytes"]["to_host"]
             rows.append([
                 capacity, f"{dev['ms']:.2f}", f"{off['ms']:.2f}", f"{off['ms'] / dev['ms']:.2f}x",

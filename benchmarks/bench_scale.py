@@ -9,7 +9,7 @@ sharing 2 cores: more devices cannot be faster here. The figures measure the ove
 partitioning (collectives, smaller per-device work), not a speedup. On real accelerators
 the same script measures scaling.
 
-    python benchmarks/bench_scale.py [--batch 8] [--new-tokens 32] [--repeats 3]
+    python benchmarks/bench_scale.py [--batch 8] [--new-tokens 32] [--repeats 5]
         [--json benchmarks/results/scale.json]
 """
 
@@ -55,6 +55,10 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/scale.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    largest_data_axis = max(data for data, model_axis in MESHES if data * model_axis <= jax.device_count())
+    if args.batch < 1 or args.batch % largest_data_axis:
+        parser.error(f"--batch must be a multiple of {largest_data_axis} (the largest data axis of the meshes run "
+                     f"here), got {args.batch}")
     ids = np.random.default_rng(0).integers(1, CONFIG.vocab_size, (args.batch, args.prompt)).astype(np.int32)
     lengths = np.full((args.batch,), args.prompt, np.int32)
     runs = []
