@@ -172,6 +172,42 @@ def test_gradients_through_a_cache_are_true_or_a_clear_error():
         grads(lambda: QuantizedCache.init(**shape))
 
 
+def test_gradients_through_two_paged_layers_and_a_copy_on_write():
+    """jax.grad through a float32 PagedCache of two or more layers was JAX's "reverse-mode
+    differentiation does not work for lax.while_loop" (review 68): from the second layer on,
+    the write's page-plan loop carries pools that hold the first layer's keys. A prompt
+    written into both layers, its rows forked (shared pages), then one token per row (the
+    shared partial page copied on write): the gradient of a static cache, eagerly and
+    under jit."""
+    from jaxkv.attention import cache_attention
+    from jaxkv.caches import PagedCache, StaticCache
+
+    rng = np.random.default_rng(3)
+    base, new, q = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                    for shape in ((1, 2, 5, 8), (2, 2, 1, 8), (2, 4, 1, 8)))
+    shape = dict(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=8, max_length=12)
+
+    def loss_with(make):
+        def loss(w):
+            cache = make()
+            for layer in range(2):  # layer 1's keys depend on w as layer 0's do
+                cache, _, _ = cache.update(base * w * (layer + 1), base * w - layer, layer)
+            cache = cache.batch_repeat_interleave(2)  # both rows hold the prompt's pages
+            total = 0.0
+            positions = cache.positions(1, 0)
+            for layer in range(2):
+                out, cache = cache_attention(q, new * w, new + w, cache, layer, positions=positions)
+                total = total + jnp.sum(out * jnp.arange(8.0))
+            return total
+        return loss
+
+    w = jnp.float32(0.7)
+    want = jax.grad(loss_with(lambda: StaticCache.init(**shape)))(w)
+    paged = loss_with(lambda: PagedCache.init(**shape, page_size=4))
+    for grad in (jax.grad(paged), jax.jit(jax.grad(paged))):
+        np.testing.assert_allclose(float(grad(w)), float(want), rtol=1e-5)
+
+
 def test_gradients_under_jit_through_caches_longer_than_one_loop_block():
     """jax.grad under jit through a StaticCache or PagedCache of more than 512 slots (128 for
     longer chunks) failed: the blockwise loop's while loops have traced trip counts, which

@@ -38,6 +38,7 @@ The quantized variant (``bits=8`` or ``4``) stores codes and per-token scales li
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -66,6 +67,37 @@ __all__ = ["NO_PAGE", "PagedCache", "PagedStorage"]
 NO_PAGE = -1
 
 _POOL_FIELDS = ("keys", "values", "key_scales", "value_scales")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _differentiable_plan(planned, pools, refcount):
+    """``planned(pools, refcount)``: a write's page plan and copy-on-write, a loop of 0 or 1
+    trips that carries the pools (see ``_write``). Reverse mode cannot go through a loop
+    whose trip count is computed, so ``jax.grad`` through a paged cache of two or more
+    layers failed (review 68: from the second layer on, the pools carry the first layer's
+    keys). The derivative of the copy is the same copy of the tangent pools, written as a
+    plain gather and scatter (no copy: every destination dropped), which transposes."""
+    return planned(pools, refcount)
+
+
+@_differentiable_plan.defjvp
+def _differentiable_plan_jvp(planned, primals, tangents):
+    pools, refcount = primals
+    out = planned(pools, refcount)
+    src, dst = out[-2], out[-1]
+
+    def copied(t):
+        if t.dtype == jax.dtypes.float0:  # integer codes of quantized pages: no derivative
+            return t
+        # Each page not copied to gets its own index past the pool (dropped), so the indices
+        # are unique: JAX transposes a scatter only then.
+        pages = t.shape[1]
+        unique = jnp.where(dst < pages, dst, pages + jnp.arange(dst.shape[0], dtype=dst.dtype))
+        return t.at[:, unique].set(t[:, jnp.minimum(src, pages - 1)], mode="drop", unique_indices=True)
+
+    tangent_pools = {f: copied(t) for f, t in tangents[0].items()}
+    zeros = [np.zeros(x.shape, jax.dtypes.float0) for x in out[1:]]  # the plan: integers and masks
+    return out, (tangent_pools, *zeros)
 
 
 def _admit(need: Array, num_free: Array) -> Array:
@@ -323,13 +355,17 @@ class PagedStorage:
 
             counts = counts.at[fresh].add(1, mode="drop").at[src].add(-1, mode="drop")  # pages taken and left
             pools = jax.lax.fori_loop(0, jnp.any(copied).astype(jnp.int32), copy_pages, carry[0])
-            return pools, counts, need, fresh, per_row, fits, num_free
+            return pools, counts, need, fresh, per_row, fits, num_free, src, dst
 
         # Without a plan: nothing to allocate or copy (num_free is only read when a row does not fit).
-        carry = (self._pools(), refcount, jnp.zeros(blk.shape, bool), jnp.full((batch * span,), num_pages, jnp.int32),
-                 jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool), jnp.int32(-1))
-        pools, refcount, need, fresh, per_row, fits, num_free = jax.lax.fori_loop(
-            0, needs_plan.astype(jnp.int32), plan_and_copy, carry)
+        def planned(pools, refcount):
+            unplanned = jnp.full((batch * span,), num_pages, jnp.int32)
+            carry = (pools, refcount, jnp.zeros(blk.shape, bool), unplanned, jnp.zeros((batch,), jnp.int32),
+                     jnp.ones((batch,), bool), jnp.int32(-1), unplanned, unplanned)
+            return jax.lax.fori_loop(0, needs_plan.astype(jnp.int32), plan_and_copy, carry)
+
+        pools, refcount, need, fresh, per_row, fits, num_free, _, _ = _differentiable_plan(
+            planned, self._pools(), refcount)
         fresh = fresh.reshape(batch, span)
         table = table.at[rows, jnp.where(in_range, blk, max_pages)].set(
             jnp.where(need, fresh, cur), mode="drop"
