@@ -312,10 +312,11 @@ def test_paged_kernel_matches_reference_and_the_xla_loop(dim, groups, tokens, wi
     # bf16: one rounding of the output (relative 2^-8) on top of f32 arithmetic.
     tol = 2e-5 if dtype == jnp.float32 else 2**-8
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
-    # The XLA loop on the same view: at bf16 it rounds the softmax weights to bf16 before the
-    # value product, so it is held to its own bf16 tolerance (tests/test_blockwise.py).
-    xla_tol = tol if dtype == jnp.float32 else 3e-2
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(xla, np.float64), rtol=xla_tol, atol=xla_tol)
+    # The XLA loop on the same view, against the reference itself: at bf16 it rounds the
+    # softmax weights to bf16 before the value product (2**-7 relative, as in
+    # tests/test_blockwise.py); checked against the kernel at 3e-2, a 2% bias passed (review 70).
+    xla_tol = tol if dtype == jnp.float32 else 2**-7
+    np.testing.assert_allclose(np.asarray(xla, np.float64), want, rtol=xla_tol, atol=xla_tol)
     assert not np.asarray(got[2], np.float64).any()  # the empty row sees nothing: zeros
 
 
