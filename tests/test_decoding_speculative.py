@@ -55,6 +55,10 @@ def test_hybrid_target_with_a_draft_without_sliding_layers():
     draft = make_model(seed=5, vocab_size=V, num_layers=1)
     out = speculative_generate(sliding, draft, IDS, 8, num_draft_tokens=3, prompt_lengths=LENGTHS, cache_kind="hybrid")
     np.testing.assert_array_equal(np.asarray(out.tokens), np.array(greedy_reference(sliding, PROMPTS, 8)))
+    # The other way round the target cannot take the kind: the error says it is the target
+    # (it read as if the sliding draft lacked sliding layers; review 71).
+    with pytest.raises(ValueError, match=r"^speculative_generate: the target model: kind='hybrid' needs a config"):
+        speculative_generate(draft, sliding, IDS, 8, num_draft_tokens=3, prompt_lengths=LENGTHS, cache_kind="hybrid")
 
 
 def test_greedy_with_penalties_equals_penalised_generate(target, reference):

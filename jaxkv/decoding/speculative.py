@@ -100,12 +100,18 @@ def _speculative(
     # An unfinished row holds < n tokens, all but the last in the cache, and writes k + 1.
     capacity = prompt_len + n + k
     # A round rolls back at most k + 1 tokens: ring layers keep that many extra slots.
-    t_cache = init_model_cache(target, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
+    try:
+        t_cache = init_model_cache(target, batch, capacity, cache_dtype, cache_kind, rollback=k + 1)
+    except ValueError as err:  # say which of the two models cannot take the kind (review 71)
+        raise ValueError(f"speculative_generate: the target model: {err}") from None
     # A hybrid target's draft may have no sliding layer (a plain small model): a hybrid cache
     # is a ring for sliding layers only, so such a draft takes the static kind.
     draft_slides = any(getattr(getattr(draft, "config", None), "sliding_layers", ()) or ())
     draft_kind = "static" if cache_kind == "hybrid" and not draft_slides else cache_kind
-    d_cache = init_model_cache(draft, batch, capacity, cache_dtype, draft_kind, rollback=k + 1)
+    try:
+        d_cache = init_model_cache(draft, batch, capacity, cache_dtype, draft_kind, rollback=k + 1)
+    except ValueError as err:
+        raise ValueError(f"speculative_generate: the draft model: {err}") from None
     t_logits, t_cache = forward(target_graphdef, target_state, input_ids, t_cache, prompt_lengths)
     _, d_cache = forward(draft_graphdef, draft_state, input_ids, d_cache, prompt_lengths)
     t_logits = logits_at(t_logits, prompt_lengths - 1)
