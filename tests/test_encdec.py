@@ -166,7 +166,7 @@ def test_prefill_and_decode_match_full_forward_despite_nan_padding():
 
     step = jax.jit(own_decode, donate_argnums=0)
     logits, cache = run(new_cache(src, src_len), TOKENS, [3, 1, 1, 1, 2, 1], step=step)
-    np.testing.assert_allclose(logits, np_forward(src, src_len, TOKENS), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, np_forward(src, src_len, TOKENS), rtol=1e-5, atol=1e-5)
     assert cache.get_seq_length() == 9 and cache.encoder_lengths().tolist() == [6, 4]
     assert step._cache_size() == 3  # one compilation per chunk size (3, 1, 2): no retrace
 
@@ -174,7 +174,7 @@ def test_prefill_and_decode_match_full_forward_despite_nan_padding():
 def test_dynamic_self_attention_part():
     src, src_len = sources()
     logits, cache = run(new_cache(src, src_len, DynamicCache(num_layers=LAYERS)), TOKENS, [4, 1, 1], step=decode_kept)
-    np.testing.assert_allclose(logits, np_forward(src, src_len, TOKENS[:, :6]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, np_forward(src, src_len, TOKENS[:, :6]), rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="cannot reset single rows"):
         cache.reset(jnp.array([True, False]))
     with pytest.raises(ValueError, match="num_new needs per-row lengths"):
@@ -187,19 +187,19 @@ def test_beam_reorder_and_fan_out_move_both_parts():
     swapped = cache.reorder_cache(jnp.array([1, 0]))
     logits, _ = run(swapped, TOKENS[::-1, 4:], [1, 1])
     expected = np_forward(src[::-1], src_len[::-1], np.concatenate([TOKENS[::-1, :4], TOKENS[::-1, 4:6]], 1))
-    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-5, atol=1e-5)
     # a beam step's index repeats rows (and [1, 0] is its own inverse: a gather/scatter mix-up
     # would pass it); both parts must follow
     both = np.array([1, 1])
     logits, _ = run(cache.reorder_cache(jnp.asarray(both)), TOKENS[both, 4:], [1, 1])
     expected = np_forward(src[both], src_len[both], np.concatenate([TOKENS[both, :4], TOKENS[both, 4:6]], 1))
-    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-5, atol=1e-5)
     fanned = cache.batch_repeat_interleave(2)  # rows a, a, b, b; each continues differently
     more = np.random.default_rng(3).integers(0, VOCAB, (4, 2))
     logits, _ = run(fanned, more, [2])
     rep = np.array([0, 0, 1, 1])
     expected = np_forward(src[rep], src_len[rep], np.concatenate([TOKENS[rep, :4], more], 1))
-    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-5, atol=1e-5)
     one = cache.batch_select_indices(jnp.array([1]))
     assert one.batch_size == 1 and one.encoder_lengths().tolist() == [4]
 
@@ -213,7 +213,7 @@ def test_crop_rolls_back_self_attention_only():
     other = (TOKENS[:, 4:7] + 1) % VOCAB
     logits, _ = run(cropped, other, [3])
     expected = np_forward(src, src_len, np.concatenate([TOKENS[:, :4], other], 1))
-    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, expected[:, 4:], rtol=1e-5, atol=1e-5)
 
 
 def test_reset_row_and_new_source_restart_one_row():
@@ -226,9 +226,9 @@ def test_reset_row_and_new_source_restart_one_row():
     assert restarted.seq_lengths(0).tolist() == [5, 0]
     # Row 0 continues its sequence; row 1 starts a new one (ragged: num_new).
     logits, restarted = decode_kept(restarted, jnp.asarray(TOKENS[:, 5:6]))
-    np.testing.assert_allclose(logits[0], np_forward(src[:1], src_len[:1], TOKENS[:1, :6])[0, 5:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[0], np_forward(src[:1], src_len[:1], TOKENS[:1, :6])[0, 5:], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        logits[1], np_forward(new_src[1:], new_len[1:], TOKENS[1:, 5:6])[0], rtol=1e-4, atol=1e-4
+        logits[1], np_forward(new_src[1:], new_len[1:], TOKENS[1:, 5:6])[0], rtol=1e-5, atol=1e-5
     )
     empty = cache.reset()
     assert empty.get_seq_length() == 0 and empty.encoder_lengths().tolist() == [0, 0]
