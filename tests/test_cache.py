@@ -345,11 +345,13 @@ def test_traced_bad_layer_or_num_new_writes_nothing_and_flags():
     # (A traced bad row index: test_conformance.py, every kind.)
     cache = filled_static()
     k, v = states(1)
-    bad_layer, _, _ = jax.jit(lambda c, i: c.update(k, v, i))(cache, jnp.int32(L))
-    chex.assert_trees_all_equal(bad_layer.keys, cache.keys)
-    assert (np.asarray(bad_layer.flags) & INVALID).all()
-    neg_layer, _, _ = jax.jit(lambda c, i: c.update(k, v, i))(cache, jnp.int32(-1))
-    chex.assert_trees_all_equal(neg_layer.lengths, cache.lengths)
+    for layer in (L, -1):  # past the end and negative (-1 was checked by its lengths alone: review 74)
+        bad_layer, _, _ = jax.jit(lambda c, i: c.update(k, v, i))(cache, jnp.int32(layer))
+        chex.assert_trees_all_equal(bad_layer.keys, cache.keys)
+        chex.assert_trees_all_equal(bad_layer.lengths, cache.lengths)
+        assert (np.asarray(bad_layer.flags) & INVALID).all(), layer
+        with pytest.raises(CacheError, match="out-of-range index or num_new"):
+            bad_layer.check()
     bad_count, _, _ = jax.jit(lambda c, n: c.update(k, v, 0, num_new=n))(cache, jnp.array([1, 3]))
     np.testing.assert_array_equal(bad_count.seq_lengths(0), [6, 3])
     with pytest.raises(CacheError, match="out-of-range index or num_new"):

@@ -554,9 +554,10 @@ def test_traced_bad_indices_empty_the_row_and_flag_it(kind):
 def test_traced_bad_layer_or_num_new_writes_nothing_and_flags(kind):
     cache, k = filled(kind), jnp.ones((B, H, 2, D))
     if kind != "hybrid":  # a hybrid cache takes static layer indices only
-        out = jax.jit(lambda c, i: c.update(k, k, i)[0])(cache, jnp.int32(L))
-        np.testing.assert_array_equal(lengths_of(out), lengths_of(cache))
-        assert ((np.asarray(out.flags) & INVALID) != 0).all()
+        for bad in (L, -1):  # (-1's flag was unchecked: review 74)
+            out = jax.jit(lambda c, i: c.update(k, k, i)[0])(cache, jnp.int32(bad))
+            np.testing.assert_array_equal(lengths_of(out), lengths_of(cache))
+            assert ((np.asarray(out.flags) & INVALID) != 0).all(), bad
         # A bad traced layer reads as an empty layer, never as a clamped or wrapped one.
         read = jax.jit(lambda c, i: (c.seq_lengths(i), c.view(i).slot_positions()))
         for bad in (L, -1):
