@@ -138,7 +138,11 @@ def test_memory_ratios_against_static_cache(head_dim, dtype):
     sizes = dict(num_layers=32, batch_size=1, num_kv_heads=8, head_dim=head_dim, max_length=4096)
     full = nbytes(lambda: StaticCache.init(**sizes, dtype=dtype))
     ratios = {bits: full / nbytes(lambda: QuantizedCache.init(**sizes, bits=bits, dtype=dtype)) for bits in (8, 4)}
-    assert ratios[8] >= 1.9 and ratios[4] >= 3.5, ratios
+    # Per token and head, keys and values: D elements of the dtype against D (int8) or D / 2
+    # (int4) code bytes plus a bf16 scale each (the lengths and flags are negligible). The
+    # float32 cases asserted the bf16 bounds, half their real ratios (review 74).
+    size, d = jnp.dtype(dtype).itemsize, head_dim
+    np.testing.assert_allclose([ratios[8], ratios[4]], [size * d / (d + 2), size * d / (d / 2 + 2)], rtol=1e-3)
 
 
 # -------------------------------------------------------------------- NumPy model
@@ -403,4 +407,4 @@ def test_all_zero_tokens_attend_exactly(kind, bits):
                 logits = k[: i + 1] @ queries[b, h, i].astype(np.float64) / np.sqrt(d)
                 w = np.exp(logits - logits.max())
                 want[b, h, i] = (w / w.sum()) @ v[: i + 1]
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)  # exact codes: float32 rounding (measured 3.4e-6 relative)
