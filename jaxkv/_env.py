@@ -19,9 +19,9 @@ def switch(name: str, default: str, extra: tuple[str, ...] = ()) -> str:
     value = raw.strip().lower()
     if not value:
         return default
-    if value in _ON:
+    if is_on(value):
         return "1"
-    if value in _OFF:
+    if is_off(value):
         return "0"
     if value in extra:
         return value

@@ -300,9 +300,12 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
 
     # The switches the run will read deep inside attention: a bad value is this command's
     # one-line error now, not a traceback after the prompt was echoed.
+    from jaxkv import _kernels
+    from jaxkv.attention import pallas_gpu
+
     try:
-        _env.off("JAXKV_CPU_KERNEL")
-        _env.switch("JAXKV_PALLAS_GPU", "auto", ("auto",))
+        _kernels.switched_off()
+        pallas_gpu.switch_mode()
     except ValueError as err:
         raise CliError(str(err)) from None
 
@@ -343,8 +346,6 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
     eos = _eos_ids(path, model_vocab_size(loaded.model))
     _use_compilation_cache()  # only now: a run refused above leaves JAX's settings alone
     if jax.default_backend() == "cpu":
-        from jaxkv import _kernels
-
         # A new machine's first run: the kernel's compiler (25-45 s) runs in the background
         # and this run takes the XLA loop, instead of a silent wait before the first token.
         if _kernels.start_background_build():

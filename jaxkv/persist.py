@@ -256,8 +256,9 @@ def _host(x: Any, path: str) -> np.ndarray:
     return np.asarray(x)
 
 
-def _check_leaves(names: list[str], leaves: list[Any], who: str) -> None:
-    """Every leaf a concrete array of numbers or booleans, or a named error saying what to do."""
+def _saveable(names: list[str], leaves: list[Any], who: str) -> list[Any]:
+    """The leaves as they are saved (a Python number as :func:`_as_array` makes it), each a
+    concrete array of numbers or booleans, or a named error saying what to do."""
     for name, leaf in zip(names, leaves):
         if isinstance(leaf, jax.core.Tracer):
             raise TypeError(
@@ -284,6 +285,7 @@ def _check_leaves(names: list[str], leaves: list[Any], who: str) -> None:
                 f"{who}: leaf {name} is a {type(leaf).__name__} of dtype {dtype}; a cache file holds "
                 "arrays of numbers or booleans only (keep other values outside the saved tree)."
             )
+    return [_as_array(x) for x in leaves]
 
 
 def _as_array(x: Any) -> Any:
@@ -333,8 +335,7 @@ def _write_safetensors(path: str, tree: Any, header: dict, extra: dict[str, np.n
     path = os.fspath(path)
     leaves = jax.tree.leaves(tree)
     names = _leaf_names(tree)
-    _check_leaves(names, leaves, who)
-    leaves = [_as_array(x) for x in leaves]
+    leaves = _saveable(names, leaves, who)
     arrays, described = {}, []
     for name, leaf in zip(names, leaves):
         a = _host(leaf, path)
@@ -637,8 +638,7 @@ def _save_orbax(path: str, cache: Any) -> None:
     ocp = _require("orbax.checkpoint")
     leaves = jax.tree.leaves(cache)
     names = _leaf_names(cache)
-    _check_leaves(names, leaves, "save_cache")
-    leaves = [_as_array(x) for x in leaves]
+    leaves = _saveable(names, leaves, "save_cache")
     described = [_leaf_meta(n, np.empty((0,), x.dtype)) | {"shape": list(x.shape)}
                  | ({"memory": list(memory_place(x))} if memory_place(x) else {})
                  | ({"crc32": _array_crc(x)} if _addressable(x) else {}) for n, x in zip(names, leaves)]

@@ -221,6 +221,12 @@ def build(compiler: str | None = None) -> Path:
 BUILDING_MARKER_SECONDS = 600
 
 
+def switched_off() -> bool:
+    """Whether ``JAXKV_CPU_KERNEL`` turns the kernel off (ValueError for a value that is no
+    on/off spelling)."""
+    return _env.off("JAXKV_CPU_KERNEL")
+
+
 def start_background_build() -> bool:
     """For a program that should not wait for the compiler (the CLI's first run on a machine):
     when the kernel is not built yet, starts its build in a detached process and makes this
@@ -231,7 +237,7 @@ def start_background_build() -> bool:
     off (``JAXKV_CPU_KERNEL=0``), or cannot be built here (no compiler, no writable
     directory: ``available()`` then warns as usual).
     """
-    if _env.off("JAXKV_CPU_KERNEL"):
+    if switched_off():
         return False
     with _lock:
         if "ok" in _state:
@@ -273,7 +279,7 @@ def available() -> bool:
     free. False when ``JAXKV_CPU_KERNEL=0``, the build failed (warned once), or
     :func:`start_background_build` left the build to another process.
     """
-    if _env.off("JAXKV_CPU_KERNEL"):
+    if switched_off():
         return False
     with _lock:
         if "ok" not in _state:

@@ -120,13 +120,18 @@ _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 _NEG_INF = float("-inf")
 
 
+def switch_mode() -> str:
+    """``JAXKV_PALLAS_GPU`` read: ``"auto"``, ``"1"`` or ``"0"`` (ValueError for another value)."""
+    return _env.switch(ENV_VAR, "auto", ("auto",))
+
+
 def use_pallas(queries: jax.Array, view: Any) -> bool:
     """Whether :func:`jaxkv.attention.attend_view` takes the Pallas kernels for this call.
 
     ``JAXKV_PALLAS_GPU`` decides (``auto``, ``1``, ``0``; see :data:`ENV_VAR`); in every
     mode the inputs must be ones the kernels take (:func:`unsupported_reason`).
     """
-    mode = _env.switch(ENV_VAR, "auto", ("auto",))
+    mode = switch_mode()
     if mode == "0" or (mode == "auto" and _default_platform() != "gpu"):
         return False
     return unsupported_reason(queries, view) is None
