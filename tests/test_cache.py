@@ -628,6 +628,39 @@ def test_a_transformers_cache_converts_and_bad_dynamic_layers_are_named():
     assert jax.tree.map(lambda x: 0, seeded).layers == ((0, 0),)
 
 
+def test_the_dynamic_constructor_checks_layers_and_from_legacy_cache_refuses_whole_buffers():
+    """DynamicCache(layers), transformers 5's form, checked the structure only: torch tensors
+    stayed torch (update then failed in NumPy), a rank-3 layer read its head_dim as its length,
+    keys of 3 tokens with values of 7 and layers of two batch sizes were taken. And
+    from_legacy_cache(a jaxkv StaticCache) iterated its whole buffers: 3 tokens in 8 slots came
+    back as 8 (review 78). JAX's rebuilds of the tree stay unchecked (any leaves)."""
+    torch = pytest.importorskip("torch")
+    k = torch.randn(1, 2, 3, 4)
+    cache = DynamicCache([(k, 2 * k), None])
+    assert isinstance(cache.layers[0][0], jax.Array)
+    np.testing.assert_array_equal(np.asarray(cache.update(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)), 0)[1][:, :, :3]),
+                                  k.numpy())
+    ones = lambda *shape: jnp.ones(shape)
+    for layers, exc, match in [
+        ([(ones(1, 3, 5), ones(1, 3, 5))], ValueError, r"DynamicCache \(layer 0\): key_states must have rank 4"),
+        ([(ones(1, 2, 3, 4), ones(1, 2, 7, 4))], ValueError, r"the same shape, got \(1, 2, 3, 4\) and \(1, 2, 7, 4\)"),
+        ([(ones(2, 1, 3, 4),) * 2, (ones(5, 1, 3, 4),) * 2], ValueError, r"one batch size, got \[2, 5\]"),
+        ([(jnp.ones((1, 1, 2, 4), jnp.int32),) * 2], TypeError, "which a key/value cache cannot store"),
+    ]:
+        with pytest.raises(exc, match=match):
+            DynamicCache(layers)
+    abstract = jax.ShapeDtypeStruct((1, 2, 3, 4), jnp.float32)
+    assert DynamicCache([(abstract, abstract)]).get_seq_length(0) == 3  # a load_cache(like=) target
+    stacked = jax.vmap(lambda c: c)(jax.tree.map(lambda x: jnp.stack([x, x]), cache))  # rank-5 leaves, rebuilt
+    assert stacked.layers[0][0].shape == (2, 1, 2, 3, 4)
+    static = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=4, max_length=8)
+    static = static.update(ones(1, 2, 3, 4), ones(1, 2, 3, 4), 0)[0]
+    for convert in (lambda: DynamicCache.from_legacy_cache(static), lambda: StaticCache.from_legacy_cache(static, max_length=16)):
+        with pytest.raises(TypeError, match=r"got a jaxkv StaticCache, whose layers are its whole buffers.*cache.to_dynamic\(\)"):
+            convert()
+    assert static.to_dynamic().get_seq_length(0) == 3
+
+
 def test_the_hf_style_constructor_and_a_transformers_cache_say_how_to_build_a_jaxkv_cache():
     """StaticCache(num_layers=...) / StaticCache(config=..., max_cache_len=...) was the
     dataclass's bare "unexpected keyword argument"; a transformers cache passed to a model

@@ -281,6 +281,23 @@ def test_flax_restore_into_an_unseeded_dynamic_target():
         serialization.from_bytes(DynamicCache(num_layers=1), serialization.to_bytes(saved))
 
 
+def test_the_transformers_constructor_form_is_refused_not_read_as_causal_attention():
+    """EncoderDecoderCache(DynamicCache(...), DynamicCache(...)), transformers' way, was taken
+    unchecked: the cross part was read as a self-attention layer, slot s at position s under a
+    causal mask, so the first decoder token saw encoder token 0 only (review 78). A rebuilt
+    tree (jit, tree.map with other leaves) keeps passing through the same constructor."""
+    cross = DynamicCache.from_legacy_cache(_pair())
+    with pytest.raises(TypeError, match=r"cross_attention must be a CrossAttentionCache, got a DynamicCache \(the "
+                                        r"transformers form .*CrossAttentionCache.from_layers\(cross_cache"):
+        EncoderDecoderCache(DynamicCache(num_layers=LAYERS), cross)
+    with pytest.raises(TypeError, match=r"self_attention must be a jaxkv cache .* got a tuple"):
+        EncoderDecoderCache(tuple(_pair()), CrossAttentionCache.from_layers(_pair()))
+    src, src_len = sources()
+    cache = new_cache(src, src_len)
+    assert jax.jit(lambda c: c)(cache).cross_attention.keys.shape == cache.cross_attention.keys.shape
+    assert jax.tree.map(lambda x: None, cache).cross_attention.keys is None
+
+
 def _pair(batch=2, enc=ENC):
     k = jnp.ones((batch, HKV, enc, HD))
     return [(k, k)] * LAYERS

@@ -65,11 +65,14 @@ def _as_array(x: Any, name: str, who: str) -> Array:
         ) from None
 
 
-def _check_states(key_states: Any, value_states: Any, who: str) -> tuple[Array, Array]:
+def _check_states(key_states: Any, value_states: Any, who: str, *, abstract: bool = False) -> tuple[Array, Array]:
     """Rank-4 float states of one shape (keys and values may differ in float dtype, as in
-    transformers' DynamicCache)."""
-    key_states = _as_array(key_states, "key_states", who)
-    value_states = _as_array(value_states, "value_states", who)
+    transformers' DynamicCache); ``abstract``: ``jax.ShapeDtypeStruct`` states are checked
+    as they are."""
+    if not (abstract and isinstance(key_states, jax.ShapeDtypeStruct)):
+        key_states = _as_array(key_states, "key_states", who)
+    if not (abstract and isinstance(value_states, jax.ShapeDtypeStruct)):
+        value_states = _as_array(value_states, "value_states", who)
     for name, x in (("key_states", key_states), ("value_states", value_states)):
         if x.ndim != 4:
             raise ValueError(

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import register_dataclass
 
 from jaxkv.caches._checks import (
     _check_num_tokens,
@@ -69,8 +68,19 @@ class DynamicCache:
             if _static_int(num_layers) is None or num_layers < 0:
                 raise ValueError(f"DynamicCache: num_layers must be an int >= 0, got {num_layers!r}.")
             layers = (None,) * int(num_layers)
-        layers = _layer_entries(layers)
+        # Checked as from_legacy_cache checks them (review 78: torch tensors, a rank-3 layer,
+        # keys of 3 tokens with values of 7 or layers of two batch sizes were taken and failed
+        # later, or read a wrong length). JAX rebuilds the tree through ``_of``, unchecked.
+        layers = _checked_layers(_layer_entries(layers), "DynamicCache")
         object.__setattr__(self, "layers", layers)
+
+    @classmethod
+    def _of(cls, layers: Sequence[tuple[Array, Array] | None]) -> DynamicCache:
+        """A cache of ``layers`` as they are: the ops' results (their inputs were checked)
+        and JAX's rebuilds of the tree (any leaves: tracers, placeholders, stacked arrays)."""
+        cache = object.__new__(cls)
+        object.__setattr__(cache, "layers", tuple(layers))
+        return cache
 
     # ---- construction / conversion
 
@@ -84,6 +94,7 @@ class DynamicCache:
         """
         if past_key_values is None:
             return cls()
+        _refuse_cache_object(past_key_values, "DynamicCache.from_legacy_cache")
         layers = []
         for i, entry in enumerate(past_key_values):
             if len(entry) == 3 and entry[2] is None:
@@ -229,7 +240,7 @@ class DynamicCache:
                 jnp.concatenate([v_old, value_states.astype(v_old.dtype)], axis=2),
             )
         layers[i] = new
-        return DynamicCache(layers), new[0], new[1]
+        return DynamicCache._of(layers), new[0], new[1]
 
     def crop(self, max_length: int) -> DynamicCache:
         """Rolls every layer back (the rule of every jaxkv kind and of transformers).
@@ -252,7 +263,7 @@ class DynamicCache:
             keep = min(n, m) if m > 0 else max(n + m, 0)
             return layer[0][:, :, :keep], layer[1][:, :, :keep]
 
-        return DynamicCache(tuple(None if layer is None else cropped(layer) for layer in self.layers))
+        return DynamicCache._of(tuple(None if layer is None else cropped(layer) for layer in self.layers))
 
     # ---- the cache protocol (what attention and the models call)
 
@@ -293,7 +304,7 @@ class DynamicCache:
         return LayerView(keys, values, None, jnp.full((keys.shape[0],), keys.shape[2], jnp.int32), None)
 
     def _map_rows(self, fn) -> DynamicCache:
-        return DynamicCache(
+        return DynamicCache._of(
             tuple(None if layer is None else (fn(layer[0]), fn(layer[1])) for layer in self.layers)
         )
 
@@ -393,4 +404,53 @@ def _layer_entries(layers: Any) -> tuple:
     return tuple(None if entry is None else tuple(entry) for entry in layers)
 
 
-register_dataclass(DynamicCache, data_fields=["layers"], meta_fields=[])
+def _checked_layers(layers: tuple, who: str) -> tuple:
+    """Each seeded layer as ``from_legacy_cache`` takes it (rank-4 float keys and values of
+    one shape, torch and NumPy arrays read as JAX arrays), one batch size for all; abstract
+    leaves (``jax.ShapeDtypeStruct``) are checked by shape and dtype."""
+    out = []
+    for i, entry in enumerate(layers):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append(_check_states(entry[0], entry[1], f"{who} (layer {i})", abstract=True))
+    _check_same_batch(out, who)
+    return tuple(out)
+
+
+def _refuse_cache_object(x: Any, who: str) -> None:
+    """A jaxkv cache iterates whole buffers (a StaticCache its capacity, a ring its slots in
+    storage order), and a transformers StaticCache cannot be iterated: neither is a list of
+    (keys, values) pairs of the tokens seen (review 78: a static cache of 3 tokens in 8 slots
+    came back as 8 tokens)."""
+    from jaxkv.caches.container import KVCache  # it imports this module
+
+    if isinstance(x, DynamicCache):
+        return
+    if isinstance(x, KVCache):
+        raise TypeError(
+            f"{who} takes ((k0, v0), (k1, v1), ...), got a jaxkv {type(x).__name__}, whose layers are its "
+            "whole buffers (capacity slots, a ring's in storage order), not the tokens it holds. Convert it "
+            "with cache.to_dynamic() (or cache.to_legacy_cache() for the pairs)."
+        )
+    if not isinstance(x, Iterable) and hasattr(x, "layers") and hasattr(x, "get_seq_length"):
+        raise TypeError(
+            f"{who}: a {type(x).__module__}.{type(x).__name__} cannot be iterated (a transformers StaticCache "
+            "holds max_cache_len slots per layer). Pass the tokens it holds: "
+            "n = cache.get_seq_length(); [(l.keys[:, :, :n], l.values[:, :, :n]) for l in cache.layers]."
+        )
+
+
+def _flatten_with_keys(cache: DynamicCache):
+    return ((jax.tree_util.GetAttrKey("layers"), cache.layers),), None
+
+
+def _flatten(cache: DynamicCache):
+    return (cache.layers,), None
+
+
+def _unflatten(_: None, children: Sequence[Any]) -> DynamicCache:
+    return DynamicCache._of(children[0])
+
+
+jax.tree_util.register_pytree_with_keys(DynamicCache, _flatten_with_keys, _unflatten, _flatten)

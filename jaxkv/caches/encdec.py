@@ -199,6 +199,25 @@ class EncoderDecoderCache:
     self_attention: Any
     cross_attention: CrossAttentionCache
 
+    def __post_init__(self) -> None:
+        # transformers builds EncoderDecoderCache(DynamicCache(), DynamicCache()): taken as it
+        # was, its cross part was read as a causal self-attention layer (slot s at position s),
+        # a silently wrong cross-attention (review 78). JAX rebuilds the tree through here with
+        # the same node types, so a type check holds for every leaf it brings.
+        who = "EncoderDecoderCache"
+        if not isinstance(self.cross_attention, CrossAttentionCache):
+            got = type(self.cross_attention).__name__
+            hint = (" (the transformers form EncoderDecoderCache(self_cache, cross_cache)): pass the encoder's "
+                    "states as CrossAttentionCache.from_layers(cross_cache.to_legacy_cache())"
+                    if hasattr(self.cross_attention, "write") else
+                    ": build it with CrossAttentionCache.from_layers([(k0, v0), ...])")
+            raise TypeError(f"{who}: cross_attention must be a CrossAttentionCache, got a {got}{hint}, and pair "
+                            f"the two with {who}.create(self_cache, cross_cache).")
+        if not hasattr(self.self_attention, "write"):
+            raise TypeError(f"{who}: self_attention must be a jaxkv cache (StaticCache, DynamicCache, ...), got a "
+                            f"{type(self.self_attention).__name__}; pair the two with {who}.create(self_cache, "
+                            "cross_cache).")
+
     @classmethod
     def create(cls, self_attention: Any, cross_attention: CrossAttentionCache) -> EncoderDecoderCache:
         """Pairs the two caches after checking that they agree on layers and rows.
