@@ -113,3 +113,20 @@ def test_rejects_requests_that_do_not_fit(loop, model):
         ServingLoop(model, num_slots=2, max_length=8, policy="fifo")
     with pytest.raises(ValueError, match=r"prefill_rows \(3\) must be <= num_slots \(2\)"):
         ServingLoop(model, num_slots=2, max_length=8, prefill_rows=3)
+
+
+def test_nan_logits_give_the_nan_token_as_every_other_loop(model):
+    """A NaN in the weights (an overflow, a corrupt checkpoint): generate and the engine emit
+    NAN_TOKEN (-1); the serving loop emitted token 0 (argmax of NaN), a real id, and with
+    eos_token_id=0 ended the request as 'eos' after one token (review 76)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxkv.generation import NAN_TOKEN
+
+    broken = nnx.clone(model)
+    broken.norm.weight.set_value(broken.norm.weight.get_value().at[0].set(jnp.nan))
+    done = ServingLoop(broken, num_slots=2, max_length=16, chunk_size=4, eos_token_id=0).run(
+        [Request([5, 7, 9], 3), Request([3, 4], 2)])
+    assert [list(d.tokens) for d in done] == [[NAN_TOKEN] * 3, [NAN_TOKEN] * 2]
+    assert [d.finish_reason for d in done] == ["length", "length"]

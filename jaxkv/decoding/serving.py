@@ -45,7 +45,7 @@ from flax import nnx
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_request, check_token_id, forward
 from jaxkv.decoding.chunked import prefill_chunk
-from jaxkv.generation import init_model_cache
+from jaxkv.generation import init_model_cache, nan_rows_as_nan_token
 from jaxkv.sampling import greedy
 
 __all__ = ["Completion", "Request", "ServingLoop"]
@@ -110,16 +110,22 @@ def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, res
     if rows.shape[0] == cache.batch_size:  # the whole batch: masking alone, rows in order
         cache = cache.reset(rows=reset)
         last, _, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
-        return greedy(last), cache
+        return _greedy(last), cache
     part = cache.batch_select_indices(rows).reset(rows=reset)
     last, _, part = prefill_chunk(graphdef, state, part, tokens, num_new)
-    return greedy(last), _put_rows(cache, rows, part)
+    return _greedy(last), _put_rows(cache, rows, part)
 
 
 def _decode_program(graphdef, counter, state, cache, tokens, active):
     counter["decode"] += 1
     logits, cache = forward(graphdef, state, tokens[:, None], cache, active.astype(jnp.int32))
-    return greedy(logits[:, 0]), cache
+    return _greedy(logits[:, 0]), cache
+
+
+def _greedy(logits: jax.Array) -> jax.Array:
+    # A row of NaN logits (NaN weights, an overflow) is NAN_TOKEN (-1), as in every other loop:
+    # argmax made it token 0, a real id that could even end the request as its EOS (review 76).
+    return nan_rows_as_nan_token(logits, greedy(logits))
 
 
 class ServingLoop:
