@@ -348,6 +348,8 @@ def test_bad_requests_are_refused(model):
         (EngineRequest([V], 2), r"\[0, 64\)"),
         (EngineRequest([1], 2, temperature=True), "request 0 temperature must be a finite number"),
         (EngineRequest([1], 2, top_p=True), "request 0 top_p must be a number in"),
+        # inf in the float32 sampler: every scaled logit 0, so top-p kept the lowest ids (review 76)
+        (EngineRequest([1], 2, temperature=1e39, top_p=0.5), r"request 0 temperature=1e\+39 overflows float32"),
     ]:
         with pytest.raises(ValueError, match=match):
             eng.run([bad])

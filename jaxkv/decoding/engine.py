@@ -402,8 +402,8 @@ class PagedEngine:
                             f"{type(seed).__name__}; a non-integral seed would be truncated")
         if not 0 <= seed < 2**32:  # seeds are uint32 on the device: a wider one would wrap onto another
             raise ValueError(f"{who}: request {index} seed must be in [0, 2**32), got {seed}")
-        try:  # the penalties and min-p: SamplingConfig's own checks and messages
-            SamplingConfig(min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+        try:  # SamplingConfig's own checks and messages (a temperature past float32's range: review 76)
+            SamplingConfig(temperature=t, top_p=p, min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{who}: request {index} {e}") from None
