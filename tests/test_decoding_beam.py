@@ -247,3 +247,30 @@ def test_a_one_token_vocabulary_is_a_named_error():
     for beams in (1, 2):
         with pytest.raises(ValueError, match=r"keeps 2 \* num_beams = .* vocabulary of 1 token"):
             beam_search(model, np.zeros((2, 3), np.int32), 3, num_beams=beams)
+
+
+def test_a_beam_whose_logits_turn_nan_mid_sequence_holds_the_nan_token():
+    """A generated token whose embedding is NaN (corrupt weights): generate emits NAN_TOKEN
+    from there on; beam search kept argmax-of-NaN ids (0s) in such a hypothesis, marked only
+    by its NaN score (review 76). Every NaN-scored hypothesis now holds -1 from the step its
+    logits turned NaN, and no finite-scored one holds -1."""
+    import jax.numpy as jnp
+
+    from jaxkv.generation import NAN_TOKEN, generate
+
+    model = make_model(seed=4, num_layers=1)
+    ids = np.array([[5, 6, 7, 8, 9]], np.int32)
+    poisoned = int(np.asarray(generate(model, ids, 2).tokens)[0, 1])  # the second greedy token
+    emb = model.embed_tokens.embedding
+    emb.set_value(emb.get_value().at[poisoned].set(jnp.nan))
+    assert list(np.asarray(generate(model, ids, 4).tokens)[0, 2:]) == [NAN_TOKEN] * 2
+    out = beam_search(model, ids, 5, num_beams=2)
+    scores, lengths = np.asarray(out.scores)[0], np.asarray(out.lengths)[0]
+    assert np.isnan(scores).any()
+    for seq, score, length in zip(np.asarray(out.sequences)[0], scores, lengths):
+        held = list(seq[:length])
+        if np.isnan(score):
+            first = held.index(NAN_TOKEN)  # a ValueError if the hypothesis holds no -1
+            assert held[first - 1] == poisoned and held[first:] == [NAN_TOKEN] * (length - first)
+        else:
+            assert NAN_TOKEN not in held and poisoned not in held[:-1]  # a last token's logits go unused

@@ -153,7 +153,9 @@ def _beam_search(
         log_probs = (log_probs + c["running_scores"][:, :, None]).reshape(batch, k * vocab)
         top_scores, top_idx = jax.lax.top_k(log_probs, keep)  # [B, 2K], sorted
         top_beam = (top_idx // vocab).astype(jnp.int32)
-        top_token = (top_idx % vocab).astype(jnp.int32)
+        # A beam whose logits turned NaN mid-sequence (a token embedding NaN weights) goes on as
+        # NAN_TOKEN, as generate's rows do: its ids were argmax-of-NaN 0s, valid-looking (review 76).
+        top_token = jnp.where(jnp.isnan(top_scores), NAN_TOKEN, (top_idx % vocab).astype(jnp.int32))
         top_seqs = _gather(c["running"], top_beam).at[:, :, t].set(top_token)  # [B, 2K, N]
         hits = jnp.broadcast_to(t + 1 >= n, top_token.shape)
         if eos_token_id is not None:
