@@ -460,3 +460,34 @@ def test_keys_config_json_leaves_out_read_as_transformers_does(raw):
     config = LlamaConfig.from_hf(raw)
     assert (config.head_dim, config.num_kv_heads) == (hf_attention.head_dim, hf.num_key_value_heads)
     assert config.num_kv_heads * config.head_dim == hf_attention.k_proj.out_features
+
+
+@pytest.mark.parametrize("form", ["mistral config.json with layer_types", "ministral"])
+def test_alternating_sliding_layers_as_transformers_loads_them(form, tmp_path):
+    """A Mistral config.json with a layer_types key is Ministral for AutoConfig.from_pretrained
+    (full and sliding layers alternating, Ministral-8B's layout): jaxkv slid every layer, as
+    MistralModel does, 1.6 of the largest logit off (review 75). Both forms, loaded from the
+    directory by transformers' Auto classes as a user would, against jaxkv through its cache."""
+    types = ["full_attention", "sliding_attention", "sliding_attention"]
+    kwargs = COMMON | dict(num_hidden_layers=3, sliding_window=3)
+    torch.manual_seed(0)
+    if form == "ministral":
+        # (transformers' MinistralAttention needs an explicit head_dim: None fails in its forward)
+        config = transformers.MinistralConfig(**kwargs, layer_types=types, head_dim=16)
+        transformers.MinistralForCausalLM(config).save_pretrained(tmp_path)
+    else:
+        transformers.MistralForCausalLM(transformers.MistralConfig(**kwargs)).save_pretrained(tmp_path)
+        raw = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps(raw | {"layer_types": types}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MinistralForCausalLM" and list(hf.config.layer_types) == types
+    loaded = from_pretrained(str(tmp_path))
+    assert loaded.config.sliding_layers == (False, True, True) and loaded.config.sliding_window == 3
+    ids = _prompts(2, 10, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    cache = loaded.model.init_cache(batch_size=2, max_length=10)
+    first, cache = forward(loaded.model, jnp.asarray(ids[:, :7], jnp.int32), cache)
+    rest, cache = forward(loaded.model, jnp.asarray(ids[:, 7:], jnp.int32), cache)
+    got = np.concatenate([np.asarray(first), np.asarray(rest)], axis=1)
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= F32_REL

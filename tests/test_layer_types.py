@@ -5,6 +5,9 @@ through ``jaxkv.models.layer_types_from_config``. Each case states what transfor
 config class and attention do with it.
 """
 
+import os
+import tempfile
+
 import pytest
 
 from jaxkv.caches import FULL, SLIDING, HybridCache
@@ -87,8 +90,10 @@ MOE_CASES = {
                       max_window_layers=2, moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1, head_dim=8),
     "mixtral, layer_types": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=2,
                                  num_experts_per_tok=1, layer_types=[FULL, SLIDING] * 2),
-    # not MoE, same rule: MistralModel logs that it saw layer_types and slides every layer
-    "mistral, layer_types": dict(model_type="mistral", architectures=["MistralForCausalLM"],
+    # not MoE: a MistralConfig object's layer_types is ignored (every layer slides), but a
+    # config.json with the key is loaded as Ministral, whose layers follow it (review 75)
+    # (head_dim given: transformers' MinistralAttention fails on a null one)
+    "mistral, layer_types": dict(model_type="mistral", architectures=["MistralForCausalLM"], head_dim=8,
                                  layer_types=[FULL, FULL, FULL, SLIDING]),
 }
 
@@ -101,28 +106,45 @@ def test_moe_configs_slide_where_transformers_attention_slides(name):
     token 0). Qwen2-MoE slides its even layers below max_window_layers, Qwen3-MoE every layer,
     Mixtral and Mistral every layer whatever layer_types says; jaxkv had F,F,S,* for the first
     two and Mixtral's and Mistral's layer_types (HybridCache.from_config put rings on the wrong
-    layers, and Llama.from_pretrained attended without the window where transformers slides)."""
+    layers, and Llama.from_pretrained attended without the window where transformers slides).
+    A Mistral config.json with layer_types is loaded as Ministral, whose layers follow it."""
+    import json
+
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     raw = {**MOE, **MOE_CASES[name]}
-    config = transformers.AutoConfig.for_model(**{"model_type": raw.get("model_type", "qwen2_moe"), **raw})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    seen = {}
-    for i, layer in enumerate(model.model.layers):
-        def hook(module, args, kwargs, i=i):
-            mask = kwargs["attention_mask"]
-            hidden = bool(mask[0, 0, -1, 0] < -1e30) if mask.dtype != torch.bool else not bool(mask[0, 0, -1, 0])
-            seen[i] = SLIDING if hidden else FULL
 
-        layer.register_forward_pre_hook(hook, with_kwargs=True)
-    with torch.no_grad():
-        model(torch.arange(12)[None])
-    want = tuple(seen[i] for i in range(4))
-    assert SLIDING in want
-    assert layer_types_from_config(raw) == (want, 4)
+    def measured(config):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        seen = {}
+        for i, layer in enumerate(model.model.layers):
+            def hook(module, args, kwargs, i=i):
+                mask = kwargs["attention_mask"]
+                hidden = bool(mask[0, 0, -1, 0] < -1e30) if mask.dtype != torch.bool else not bool(mask[0, 0, -1, 0])
+                seen[i] = SLIDING if hidden else FULL
+
+            layer.register_forward_pre_hook(hook, with_kwargs=True)
+        with torch.no_grad():
+            model(torch.arange(12)[None])
+        return tuple(seen[i] for i in range(4))
+
+    # A config object, as built in Python, and the same keys as a config.json loaded from its
+    # directory (AutoConfig.from_pretrained may pick another class: mistral -> ministral).
+    # (Auto cannot load a config.json without model_type: there the object is the reference.)
+    config = transformers.AutoConfig.for_model(**{"model_type": raw.get("model_type", "qwen2_moe"), **raw})
+    want = want_json = measured(config)
+    if "model_type" in raw:
+        with tempfile.TemporaryDirectory() as directory:
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                json.dump(raw, f)
+            want_json = measured(transformers.AutoConfig.from_pretrained(directory))
+    assert SLIDING in want and SLIDING in want_json
+    if name == "mistral, layer_types":
+        assert want == (SLIDING,) * 4 and want_json == (FULL, FULL, FULL, SLIDING)
     assert layer_types_from_config(config) == (want, 4)
-    assert HybridCache.from_config(raw, batch_size=1, max_length=16).layer_types == want
+    assert layer_types_from_config(raw) == (want_json, 4)
+    assert HybridCache.from_config(raw, batch_size=1, max_length=16).layer_types == want_json
 
 
 def test_a_config_built_by_hand_needs_a_window_for_its_sliding_layers():

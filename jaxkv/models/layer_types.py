@@ -18,10 +18,11 @@ SLIDING = "sliding_attention"
 # Model types whose configs say which layers slide with use_sliding_window/max_window_layers.
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Model types whose sliding_window, when set, applies to every layer.
-_ALL_SLIDING_TYPES = ("mistral", "mixtral", "qwen3_moe")
-# Model types whose attention reads config.sliding_window alone: a layer_types key in their
-# config.json is ignored by transformers (MistralModel, MixtralModel, Qwen3MoeModel: one mask
-# for all; MistralModel only logs that it saw the key).
+_ALL_SLIDING_TYPES = ("mistral", "ministral", "mixtral", "qwen3_moe")
+# Model types whose attention reads config.sliding_window alone: a layer_types attribute of
+# their config objects is ignored by transformers (MistralModel, MixtralModel, Qwen3MoeModel:
+# one mask for all). A mistral config.json with a layer_types key is another model: see
+# _config_json_type.
 _IGNORE_LAYER_TYPES = ("mistral", "mixtral", "qwen3_moe")
 # Model types whose attention has no window at all: transformers ignores sliding_window.
 _NO_WINDOW_TYPES = ("llama",)
@@ -30,6 +31,7 @@ _NO_WINDOW_TYPES = ("llama",)
 # null sliding_window still means no window.
 _DEFAULTS = {
     "mistral": {"sliding_window": 4096},
+    "ministral": {"sliding_window": 4096},
     "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"sliding_window": 4096, "max_window_layers": 28},
     "qwen2_moe": {"sliding_window": 4096, "max_window_layers": 28},
@@ -38,11 +40,12 @@ _DEFAULTS = {
 # The same for the attention's geometry (null: the Llama rule, num_key_value_heads =
 # num_attention_heads, head_dim = hidden_size // num_attention_heads). Read by the models'
 # configs and by HybridCache.from_config, so a model and its cache always agree.
-_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+_DEFAULT_KV_HEADS = {"mistral": 8, "ministral": 8, "qwen2": 32, "qwen3": 32}
 _DEFAULT_HEAD_DIM = {"qwen3": 128}
 _TYPE_OF_ARCHITECTURE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",
     "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
@@ -59,13 +62,27 @@ def _model_type(cfg: Mapping[str, Any]) -> str:
     return model_type
 
 
+def _config_json_type(config: Any) -> str:
+    """The model type transformers builds for ``config``: a config.json (a mapping) of
+    model_type mistral with a ``layer_types`` key is loaded as Ministral by ``AutoConfig.
+    from_pretrained`` (alternating full and sliding layers, Ministral-8B's layout), whose
+    layers follow ``layer_types`` (review 75: jaxkv slid every layer, as MistralModel does
+    for a MistralConfig object that carries the attribute, which it ignores)."""
+    if isinstance(config, Mapping):
+        model_type = _model_type(config)
+        if model_type == "mistral" and "layer_types" in config:
+            return "ministral"
+        return model_type
+    return _model_type(config.to_dict())
+
+
 def attention_geometry(config: Any) -> tuple[int | None, int | None]:
     """``(num_kv_heads, head_dim)`` of an HF decoder config (dict or ``PretrainedConfig``) as
     transformers reads it: a key left out takes the config class's default (Mistral 8 kv
     heads, Qwen2/3 32, Qwen3 head_dim 128); None where the Llama rule applies (all heads,
     hidden_size // num_attention_heads)."""
     cfg = config if isinstance(config, Mapping) else config.to_dict()
-    model_type = _model_type(cfg)
+    model_type = _config_json_type(config)
     kv_heads = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else _DEFAULT_KV_HEADS.get(model_type)
     head_dim = cfg["head_dim"] if "head_dim" in cfg else _DEFAULT_HEAD_DIM.get(model_type)
     return kv_heads, head_dim
@@ -84,8 +101,10 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
       (qwen3_moe: its attention reads ``sliding_window`` alone).
     * ``layer_types`` given: used as is (each ``"full_attention"`` or
       ``"sliding_attention"``), with ``sliding_window`` as the window; except for Mistral,
-      Mixtral and Qwen3-MoE, whose attention ignores it.
-    * Mistral/Mixtral: every layer slides when ``sliding_window`` is set.
+      Mixtral and Qwen3-MoE, whose attention ignores it. A Mistral config.json (a mapping)
+      with a ``layer_types`` key is Ministral, as ``AutoConfig.from_pretrained`` reads it:
+      its ``layer_types`` applies.
+    * Mistral/Ministral/Mixtral: every layer slides when ``sliding_window`` is set.
     * Llama: every layer is full (its attention has no window; transformers ignores a
       ``sliding_window`` key there).
     * Any config without ``sliding_window``: every layer is full.
@@ -105,7 +124,7 @@ def layer_types_from_config(config: Any) -> tuple[tuple[str, ...], int | None]:
     num_layers = cfg.get("num_hidden_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"layer_types_from_config: num_hidden_layers must be an int >= 1, got {num_layers!r}.")
-    model_type = _model_type(cfg)
+    model_type = _config_json_type(config)
     cfg = {**_DEFAULTS.get(model_type, {}), **cfg}  # a key left out means the class default, as in transformers
     window = cfg.get("sliding_window")
     qwen = model_type in _QWEN_TYPES

@@ -43,7 +43,8 @@ from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 __all__ = ["ARCHITECTURES", "Block", "Llama", "LlamaConfig", "RMSNorm", "apply_rope", "layer_plan", "rope_frequencies"]
 
 #: HF ``architectures`` entries this file implements.
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM")
 
 # --------------------------------------------------------------------------- config
 
@@ -52,12 +53,12 @@ _LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_p
 #: The HF ``model_type`` of each architecture. transformers' Auto classes build the model that
 #: ``model_type`` names, so a config whose ``model_type`` names another one is refused.
 MODEL_TYPES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MinistralForCausalLM": "ministral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
 }
 # transformers' config defaults for max_position_embeddings (what llama3 RoPE falls back to).
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768,
-                          "Qwen3ForCausalLM": 32768}
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "MinistralForCausalLM": 131072,
+                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
 # HF hidden_act names of the SiLU (transformers' ACT2FN maps both to it).
 _SILU_NAMES = ("silu", "swish")
 
