@@ -67,7 +67,9 @@ def _set(**changes):
         ),
         # null is no default (transformers refuses it): float(None) was the whole message, or,
         # inside a rope dict, a TypeError at the first forward
-        (_set(rope_theta=None), "rope_theta", "must be a positive finite number \\(leave the key out"),
+        # (with no rope dict: a dict's own rope_theta is what transformers reads then)
+        (lambda config: {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling")}
+         | {"rope_theta": None}, "rope_theta", "must be a positive finite number \\(leave the key out"),
         (_set(rms_norm_eps=None), "rms_norm_eps", "must be a positive finite number .*, got null"),
         (_set(rope_parameters={"rope_type": "linear", "factor": None}), "rope_parameters.factor", "got null"),
         (_set(use_sliding_window=True, max_window_layers=None), "max_window_layers", "when use_sliding_window"),
@@ -86,6 +88,18 @@ def test_malformed_config_names_file_and_key(checkpoint, edit, key, match):
     assert message.startswith(f"{directory / 'config.json'}: "), message
     if key is not None:
         assert key in message.removeprefix(str(directory)), message
+
+
+def test_keys_transformers_reads_past_are_no_errors(checkpoint):
+    """A null top-level rope_theta beside a rope dict holding one, and a partial_rotary_factor
+    in a default RoPE's dict: transformers reads the dict's theta and computes its default
+    frequencies over the whole head (a re-saved config moves a top-level factor into the dict),
+    so the model is the one without them; jaxkv refused both (review 75)."""
+    theta = json.loads((checkpoint(lambda config: config) / "config.json").read_text()).get("rope_theta", 10000.0)
+    plain = from_pretrained(checkpoint(_set(rope_parameters={"rope_type": "default", "rope_theta": theta}))).config
+    for edit in (_set(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": theta}),
+                 _set(rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5})):
+        assert from_pretrained(checkpoint(edit)).config == plain
 
 
 def test_checkpoint_error_is_a_value_error():

@@ -275,8 +275,14 @@ _DROP = object()  # a key the config.json leaves out
         dict(max_position_embeddings=64, rope_theta=300.0, rope_scaling=dict(type="linear", factor=2.0)),
         # no context anywhere: transformers' class default (LlamaConfig: 2048); jaxkv refused it
         dict(max_position_embeddings=_DROP, rope_parameters=dict(_LLAMA3, rope_theta=1e4)),
+        # the default RoPE ignores a partial_rotary_factor in the dict as at the top level (a
+        # re-saved config moves it there), and a null top-level theta defers to the dict's
+        # (both refused until review 75)
+        dict(rope_parameters=dict(rope_type="default", rope_theta=2e4, partial_rotary_factor=0.5)),
+        dict(rope_theta=None, rope_parameters=dict(rope_type="default", rope_theta=3e4)),
     ],
-    ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta", "llama3-no-context"],
+    ids=["llama3-no-original", "scaling-replaces-parameters", "top-level-theta", "llama3-no-context",
+         "default-partial-in-dict", "null-top-level-theta"],
 )
 def test_config_rope_resolves_as_transformers(change):
     """The RoPE parameters jaxkv reads from a config.json are those transformers' own config

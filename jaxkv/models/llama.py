@@ -203,12 +203,14 @@ class LlamaConfig:
                 "'default', 'linear' and 'llama3'"
             )
         # A top-level partial_rotary_factor joins the dict in transformers; its default RoPE
-        # ignores it, the scaled ones rotate only that fraction of each head.
+        # ignores it wherever it is (these models compute their default frequencies over the
+        # whole head; a re-saved config moves the key into the dict: review 75), the scaled
+        # ones rotate only that fraction of each head.
         partial = rope.get("partial_rotary_factor")
-        if partial is None and rope_type != "default":
+        if partial is None:
             partial = hf.get("partial_rotary_factor")
-        if partial is not None and partial != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor != 1.0 is not supported")
+        if rope_type != "default" and partial is not None and partial != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor != 1.0 is not supported with rope_type {rope_type!r}")
         scaling = None
         if rope_type == "llama3":
             if hf.get("original_max_position_embeddings") is not None:

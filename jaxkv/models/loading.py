@@ -172,8 +172,12 @@ def _check_hf_config(hf: Any, source: str) -> None:
         minimum = 0 if key == "max_window_layers" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise bad(key, "a positive integer" if minimum else "an integer >= 0")
+    rope_dict = hf.get("rope_scaling") or hf.get("rope_parameters")
     for key in _NUMBER_KEYS:
-        # null is no default: transformers refuses it (rope_theta null made float(None) fail)
+        # null is no default: transformers refuses it (rope_theta null made float(None) fail),
+        # unless the rope dict holds the value, which transformers then reads (review 75)
+        if key == "rope_theta" and hf.get(key) is None and isinstance(rope_dict, dict) and "rope_theta" in rope_dict:
+            continue
         if key in hf and not (_is_number(hf[key]) and 0 < hf[key] < math.inf):
             raise bad(key, "a positive finite number (leave the key out for the default)")
     if hf.get("use_sliding_window") and "max_window_layers" in hf and hf["max_window_layers"] is None:
