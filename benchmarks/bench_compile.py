@@ -14,7 +14,7 @@ this one run:
 * ``step ms``: the donated decode step, median per call after a 64-token prefill (batch 1),
   before and scan in alternating rounds, best round.
 
-Then the donated decode step of a medium model (E=1024, 8 layers, 420 MB of float32
+Then the donated decode step of a medium model (E=1024, 8 layers, 394 MB of float32
 weights: the step reads more than the caches hold), before and scan: on XLA:CPU the scan
 copies each layer's weights out of the stacked arrays (a dot cannot read a dynamic slice
 in place), which shows where the weights dominate the step (``--no-medium`` skips it).
