@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, check_token_ids, model_vocab_size
 from jaxkv.caches import KVCache
+from jaxkv.caches._checks import _widen
 from jaxkv.sampling import SamplingConfig, TokenHistory, apply_penalties, greedy, init_history, record_tokens, sample
 
 __all__ = [
@@ -127,6 +128,7 @@ def poison_bad_lengths(input_ids: jax.Array, prompt_lengths: jax.Array) -> tuple
     :data:`NAN_TOKEN` (see :func:`nan_rows_as_nan_token`), as for a bad id. Valid rows are
     unchanged.
     """
+    prompt_lengths = _widen(prompt_lengths)
     bad = (prompt_lengths < 1) | (prompt_lengths > input_ids.shape[1])
     input_ids = input_ids.at[:, 0].set(jnp.where(bad, -1, input_ids[:, 0]))
     return input_ids, jnp.where(bad, 1, prompt_lengths)
@@ -347,6 +349,7 @@ def check_prompts(
     else:
         # Traced: tested in their own dtype, against this width (bucketing pads it later);
         # a bad one becomes 0, which prefill turns into a row of NAN_TOKEN.
+        prompt_lengths = _widen(prompt_lengths)
         ok = (prompt_lengths >= 1) & (prompt_lengths <= prompt_len)
         prompt_lengths = jnp.where(ok, prompt_lengths, 0)
     return input_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)

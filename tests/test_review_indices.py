@@ -90,3 +90,50 @@ def test_cross_lengths_traced_out_of_range_flagged_not_clamped():
     assert cache.flags.tolist() == [INVALID, 0, 0]
     with pytest.raises(Exception, match="out-of-range"):
         cache.check()
+
+
+def test_narrow_integer_dtypes_are_range_tested_whole_under_jit():
+    """JAX converts a Python bound to a narrow array's own dtype, wrapping it (uint8 < 256 is
+    uint8 < 0): under jit, uint8 row indices on 256 rows emptied and flagged every row, int8
+    counts of a 128-token chunk were refused, a uint8 encoder length of 200 of 256 was flagged,
+    a paged row 5 of 256 taken as padding (its write lost, its page leaked), uint8 prompt
+    lengths became NaN rows, and uint8 ids of a 256-token vocabulary embedded as NaN (review
+    77). Each now equals the int32 call (eager calls were always right: NumPy checks them)."""
+    from flax import nnx
+
+    from jaxkv import PagedCache
+    from jaxkv.generation import check_prompts
+    from jaxkv.models import Llama, LlamaConfig
+
+    rows = 256
+    cache = StaticCache.init(num_layers=1, batch_size=rows, num_kv_heads=1, head_dim=1, max_length=2)
+    keys = jnp.arange(rows, dtype=jnp.float32).reshape(rows, 1, 1, 1)
+    cache = cache.update(keys, keys, 0)[0]
+    back = jax.jit(lambda c, i: c.reorder_cache(i))(cache, jnp.arange(rows - 1, -1, -1).astype(jnp.uint8))
+    assert back.keys[0, :, 0, 0, 0].tolist() == list(range(rows - 1, -1, -1)) and not back.flags.any()
+
+    chunk = StaticCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=1, max_length=128)
+    states = jnp.ones((2, 1, 128, 1))
+    wrote = jax.jit(lambda c, n: c.update(states, states, 0, num_new=n)[0])(chunk, jnp.array([100, 5], jnp.int8))
+    assert wrote.lengths[0].tolist() == [100, 5] and not wrote.flags.any()
+
+    enc = jnp.ones((1, 1, 256, 1))
+    cross = jax.jit(lambda n: CrossAttentionCache.from_layers([(enc, enc)], n))(jnp.array([200], jnp.uint8))
+    assert cross.lengths.tolist() == [200] and not cross.flags.any()
+
+    paged = PagedCache.init(num_layers=1, batch_size=rows, num_kv_heads=1, head_dim=1, max_length=4, page_size=2,
+                            num_pages=8)
+    paged = paged.update(jnp.ones((rows, 1, 3, 1)), jnp.ones((rows, 1, 3, 1)), 0,
+                         num_new=np.where(np.arange(rows) == 5, 3, 0).astype(np.int32))[0]
+    assert jax.jit(lambda c, r: c.take_rows(r))(paged, jnp.array([5, 7], jnp.uint8)).lengths[0].tolist() == [3, 0]
+
+    ids = jnp.zeros((1, 256), jnp.int32)
+    lengths = jax.jit(lambda n: check_prompts(ids, n, "test")[1])(jnp.array([200], jnp.uint8))
+    assert lengths.tolist() == [200]
+
+    model = Llama(LlamaConfig.tiny(vocab_size=256, num_layers=1), rngs=nnx.Rngs(0))
+    tokens = np.array([[3, 200, 255]])
+    forward = nnx.jit(lambda m, t: m(t, None)[0])
+    narrow, wide = forward(model, jnp.asarray(tokens, jnp.uint8)), forward(model, jnp.asarray(tokens, jnp.int32))
+    assert np.isfinite(np.asarray(narrow)).all()
+    np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide))

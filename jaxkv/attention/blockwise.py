@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _kernels
 from jaxkv.caches._bits import from_bits, stored_dtype
+from jaxkv.caches._checks import _widen
 from jaxkv.caches.views import ContiguousView
 
 __all__ = ["blockwise_attend", "paged_blockwise_attend", "quantized_blockwise_attend"]
@@ -205,6 +206,7 @@ def _checked_layer(layer: Any, num_layers: int, who: str) -> tuple[jax.Array, ja
     _check_layer(layer, num_layers, who)
     if not isinstance(layer, jax.core.Tracer):
         return jnp.asarray(layer, jnp.int32), None
+    layer = _widen(layer)
     ok = (layer >= 0) & (layer < num_layers)  # before the cast: an int64 2**32 + 1 would wrap to 1
     # out of range it is L, whatever it was: the CPU kernel's run-time check still refuses it
     return jnp.where(ok, layer, num_layers).astype(jnp.int32), ok

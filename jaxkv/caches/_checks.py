@@ -149,13 +149,25 @@ def _distinct_entries(idx: Any, batch: int, who: str, padding: str) -> Array:
     return jnp.where(repeat, jnp.asarray(batch, idx.dtype), idx)
 
 
+def _widen(x: Any) -> Any:
+    """A traced integer array narrower than 32 bits as int32, which holds each of its values;
+    any other array as it is. JAX converts a Python bound to the array's own dtype, wrapping
+    it: ``uint8 < 256`` is ``uint8 < 0``, false for every value, and ``int8 >= -1`` ... so
+    a range test of a narrow array refused valid values (review 77). Test ranges on this."""
+    dtype = jnp.dtype(x.dtype)
+    if jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 4:
+        return x.astype(jnp.int32)
+    return x
+
+
 def _narrow_in_range(x: Array, stop: int) -> Array:
     """A traced integer array as int32, with every value outside ``[0, stop)`` -> -1.
 
     The range is tested in ``x``'s own dtype, so a wide value (int64 under x64, uint32)
-    is never wrapped into range by the narrowing."""
+    is never wrapped into range by the narrowing (a narrow one is widened first)."""
     if jnp.dtype(x.dtype) == jnp.int32:
         return x
+    x = _widen(x)
     ok = (x >= 0) & (x < stop)
     return jnp.where(ok, x.astype(jnp.int32), jnp.int32(-1))
 
@@ -258,6 +270,7 @@ def _new_counts(num_new: Any, batch: int, new_tokens: int, who: str) -> tuple[Ar
         count = jnp.broadcast_to(count, (batch,))
     if count.shape != (batch,) or not jnp.issubdtype(count.dtype, jnp.integer):
         raise _num_new_shape_error(count.shape, count.dtype, batch, who)
+    count = _widen(count)
     invalid = (count < 0) | (count > new_tokens)  # in num_new's own dtype: never wrapped
     return jnp.where(invalid, 0, count).astype(jnp.int32), invalid
 
@@ -286,6 +299,7 @@ def _crop_amounts(max_length: Any, batch: int, who: str) -> Array:
             m = np.minimum(m, np.uint64(_INT32_MAX))
         m = np.clip(m.astype(np.int64), -_INT32_MAX, _INT32_MAX)
     else:  # a wide traced/device integer: clamp before narrowing (astype would wrap)
+        m = _widen(m)
         if jnp.iinfo(m.dtype).bits > 32 or jnp.dtype(m.dtype) == jnp.uint32:
             m = jnp.clip(m, -_INT32_MAX if jnp.issubdtype(m.dtype, jnp.signedinteger) else 0, _INT32_MAX)
     if isinstance(m, np.ndarray):

@@ -42,6 +42,7 @@ from jaxkv.caches._checks import (
     _is_traced,
     _layer_index,
     _raise_on_flags,
+    _widen,
     _write_target,
 )
 from jaxkv.caches.container import KVCache
@@ -175,6 +176,7 @@ def _check_lengths(lengths: Any, batch: int, enc: int, who: str) -> tuple[Array,
             row = int(np.argmax(bad))
             raise ValueError(f"{who}: lengths[{row}]={int(lengths[row])} is outside [0, {enc}] (encoder tokens).")
         return jnp.asarray(lengths.astype(np.int32)), jnp.zeros((batch,), bool)
+    lengths = _widen(lengths)
     bad = (lengths < 0) | (lengths > enc)  # in its own dtype, before narrowing
     return jnp.where(bad, 0, lengths).astype(jnp.int32), bad
 

@@ -55,6 +55,7 @@ from jaxkv.caches._checks import (
     _floating_dtype,
     _is_traced,
     _static_int,
+    _widen,
 )
 from jaxkv.caches.container import KVCache, storage_field
 from jaxkv.caches.views import PagedView
@@ -510,6 +511,7 @@ def _rows_or(x: Any, stop: int, fill: int) -> Array:
     wide value such as an int64 ``2**32 + 1`` is never wrapped into range by the narrowing.
     """
     if _is_traced(x):
+        x = _widen(x)
         return jnp.where((x >= 0) & (x < stop), x.astype(jnp.int32), jnp.int32(fill))
     host = np.asarray(x)
     if host.size == 0:
@@ -750,6 +752,7 @@ class PagedCache(KVCache):
         # Traced, the same checks as above: a call that fails one attaches and pins nothing,
         # and an in-range row is flagged INVALID (a count beyond the pages' tokens would
         # otherwise read the missing pages as page 0). Tested in each value's own dtype.
+        pages = _widen(jnp.asarray(pages))
         bad_id = jnp.any((pages < -1) | (pages >= store.num_pages))
         row = _rows_or(row, self.batch_size, self.batch_size)
         in_range = row < self.batch_size
@@ -784,6 +787,7 @@ class PagedCache(KVCache):
             bad = pages[(pages >= store.num_pages) | (pages < -1)]
             if bad.size:
                 raise ValueError(f"{who}: page ids {bad.tolist()} are outside [0, {store.num_pages}).")
+        pages = _widen(pages)
         ids = _rows_or(pages, store.num_pages, -1)  # traced ids outside [0, num_pages): -1
         refused = jnp.any((pages != -1) & (ids < 0)) if traced else False
         eager = not traced and not _is_traced(store.refcount)  # else the checks become a flag

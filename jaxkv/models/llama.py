@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxkv._checks import check_token_ids
 from jaxkv.caches import DynamicCache, KVCache, StaticCache, check_cache
-from jaxkv.caches._checks import _check_sizes
+from jaxkv.caches._checks import _check_sizes, _widen
 from jaxkv.models.layer_types import FULL, SLIDING, attention_geometry, layer_types_from_config
 from jaxkv.nnx import CacheSpec, KVAttention, init_cache, token_positions
 
@@ -737,6 +737,7 @@ class Llama(nnx.Module):
 
         # Traced ids are unchecked. jnp.take (inside nnx.Embed) would wrap negative ids to
         # V - 1 ..; every bad id embeds as NaN instead, and its row's logits are NaN below.
+        tokens = _widen(tokens)  # a uint8 id < 256 was out of a 256-token vocabulary (review 77)
         in_vocab = (tokens >= 0) & (tokens < self.config.vocab_size)  # [B, T]
         x = self.embed_tokens(tokens)
         x = jnp.where(in_vocab[..., None], x, jnp.asarray(jnp.nan, x.dtype))
