@@ -707,3 +707,21 @@ def test_donating_a_cache_deletes_the_arrays_of_the_caches_sharing_them():
     step(cache.crop(-1))
     with pytest.raises(RuntimeError, match="Array has been deleted"):
         np.asarray(cache.keys)
+
+
+def test_a_float64_cache_pickled_under_x64_is_refused_without_it():
+    """Unpickled without x64, a float64 cache's buffers became float32 under a static dtype that
+    still said float64: writes went on, attention failed with a message about 16-bit bits
+    (review 77). It is an UnpicklingError naming jax_enable_x64; with x64 it loads whole."""
+    import pickle
+
+    with jax.enable_x64(True):
+        cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4,
+                                 dtype=jnp.float64)
+        cache = cache.update(jnp.full((1, 1, 2, 2), 1 / 3, jnp.float64), jnp.ones((1, 1, 2, 2), jnp.float64), 0)[0]
+        data = pickle.dumps(cache)
+        back = pickle.loads(data)
+        assert back.dtype == jnp.float64 and back.keys.dtype == jnp.float64
+        assert float(back.keys[0, 0, 0, 1, 1]) == 1 / 3
+    with pytest.raises(pickle.UnpicklingError, match=r"float64 arrays \(it was pickled with jax_enable_x64\)"):
+        pickle.loads(data)

@@ -985,6 +985,16 @@ def _restore(treedef, leaves, mesh, places=None):
         targets = [place_sharding(p, "unpickling a cache") for p in places or [None] * len(leaves)]
     except ValueError as err:
         raise pickle.UnpicklingError(str(err)) from None
+    wide = sorted({str(np.dtype(x.dtype)) for x in leaves
+                   if hasattr(x, "dtype") and jax.dtypes.canonicalize_dtype(x.dtype) != np.dtype(x.dtype)})
+    if wide:
+        # Loaded as they are, float64 buffers become float32 while the cache's static dtype still
+        # says float64: writes and reads then disagree (review 77). Say so instead.
+        raise pickle.UnpicklingError(
+            f"the cache holds {', '.join(wide)} arrays (it was pickled with jax_enable_x64), which this process "
+            "would load as 32-bit ones under a cache that still says 64-bit. Enable x64 before loading "
+            "(jax.config.update('jax_enable_x64', True)), or pickle a cache of float32 or a 16-bit dtype."
+        )
     cache = jax.tree.unflatten(
         treedef, [jnp.asarray(x) if t is None else jax.device_put(x, t) for x, t in zip(leaves, targets)]
     )
