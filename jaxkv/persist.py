@@ -582,6 +582,14 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
     if len(shapes) != treedef.num_leaves:
         raise CacheFileError(f"{path}: {len(shapes)} arrays for a structure of {treedef.num_leaves}; the file is damaged.")
     abstract = jax.tree.unflatten(treedef, shapes)
+    static = getattr(abstract, "dtype", None)
+    if static is not None and jax.dtypes.canonicalize_dtype(static) != jnp.dtype(static):
+        # Its buffers would load as 32-bit ones under a cache whose static dtype still says
+        # 64-bit: writes and reads then disagree (review 77, as for a pickle).
+        raise CacheFileError(
+            f"{path}: the file holds a {jnp.dtype(static)} cache, and JAX holds 64-bit arrays only with "
+            "jax_enable_x64; call jax.config.update('jax_enable_x64', True) before loading it."
+        )
     if like is not None:
         _check_like(path, header, abstract, like)
         treedef = jax.tree.structure(like)

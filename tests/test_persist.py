@@ -732,6 +732,14 @@ def test_64_bit_leaves_without_x64_load_only_when_nothing_is_lost(tmp_path):
     back = load_cache(tmp_path / "fits")
     assert int(back["step"]) == 5 and float(back["scale"]) == 0.5 and back["ids"].tolist() == [0, 1, 2]
     assert np.isnan(back["nan"][0]) and back["ids"].dtype == jnp.int32
+    # A float64 cache whose values fit float32 loaded as float32 buffers under a cache that
+    # still said float64 (its static dtype; review 77): refused, whole with x64.
+    with jax.enable_x64(True):
+        wide = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4, dtype=jnp.float64)
+        save_cache(tmp_path / "f64", wide.update(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)), 0)[0])
+        assert load_cache(tmp_path / "f64").keys.dtype == jnp.float64
+    with pytest.raises(CacheFileError, match=r"holds a float64 cache, and JAX holds 64-bit arrays only with jax_enable_x64"):
+        load_cache(tmp_path / "f64")
 
 
 def test_orbax_sharded_restore_onto_other_meshes(tmp_path):
