@@ -51,7 +51,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.blockwise import check_int_inputs, check_softcap, window_reach
+from jaxkv.attention.blockwise import check_int_inputs, check_softcap, pv_operands, window_reach
 
 __all__ = ["attend", "attention_mask"]
 
@@ -255,8 +255,6 @@ def attend(
     weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum(
-        "bhgts,bhsd->bhgtd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
-    )
+    out = jnp.einsum("bhgts,bhsd->bhgtd", *pv_operands(probs, values), preferred_element_type=jnp.float32)
     out = jnp.where(marked[..., None], jnp.nan, out)
     return out.reshape(batch, num_q_heads, num_tokens, head_dim).astype(queries.dtype)
