@@ -574,6 +574,11 @@ def test_a_cache_of_no_rows_has_length_zero():
     assert cache.batch_select_indices([]).batch_size == 0
     with pytest.raises(ValueError, match=r"1-D integer array of batch rows, got shape \(1, 0\)"):
         cache.batch_select_indices([[]])
+    # Its export and a seeded DynamicCache of no rows (an IndexError, "no layer is seeded yet";
+    # review 77): empty layers of 0 rows.
+    assert empty.to_dynamic().layers[0][0].shape == (0, 1, 0, 2)
+    dynamic = DynamicCache.from_legacy_cache([(jnp.ones((2, 1, 3, 2)),) * 2]).batch_select_indices([])
+    assert dynamic.positions(1).shape == (0, 1)
 
 
 def test_mixed_dtype_dynamic_layers_round_trip_and_torch_bfloat16_is_named():

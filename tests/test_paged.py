@@ -494,3 +494,19 @@ def test_first_free_pages_equal_numpy():
             want = np.concatenate([want, np.full(n - len(want), num_pages)])
             np.testing.assert_array_equal(np.asarray(ids), want, err_msg=f"{num_pages} pages, n {n}")
             assert int(num_free) == int((refcount == 0).sum())
+
+
+def test_a_page_a_padding_row_took_is_released_on_merge():
+    """A write into a padding row of a take_rows sub-cache (negative entries are padding too)
+    took a fresh page; merge_rows dropped the row and left the page counted with no row
+    holding it, lost to the pool (review 77). Eagerly and under jit."""
+    cache = PagedCache.init(num_layers=1, batch_size=3, num_kv_heads=1, head_dim=2, max_length=4, page_size=2,
+                            num_pages=6)
+    two = jnp.ones((3, 1, 2, 2))
+    cache = cache.update(two, two, 0)[0]  # each row: one full page
+    one = jnp.ones((2, 1, 1, 2))
+    for rows, run in ((np.array([0, -1]), lambda f, *a: f(*a)), (jnp.array([0, 3]), lambda f, *a: jax.jit(f)(*a))):
+        merged = run(lambda c, r: c.merge_rows(r, c.take_rows(r).update(one, one, 0)[0]), cache, rows)
+        assert np.asarray(merged.lengths[0]).tolist() == [3, 2, 2]
+        assert_accounting(merged)
+        assert merged.free_pages == 2  # 3 rows' pages and row 0's second page

@@ -226,13 +226,13 @@ class StaticCache(KVCache):
         out = []
         for i in range(self.num_layers):
             row_lengths = lengths[i]
-            if (row_lengths != row_lengths[0]).any():
+            if row_lengths.size and (row_lengths != row_lengths[0]).any():
                 raise ValueError(
                     f"{who}: layer {i} holds different lengths per row "
                     f"{row_lengths.tolist()}; a dynamic cache needs one length per layer. Export "
                     "rows separately with batch_select_indices([row])."
                 )
-            n = int(row_lengths[0])
+            n = int(row_lengths[0]) if row_lengths.size else 0  # no rows (batch_select_indices([])): empty
             out.append((self.keys[i, :, :, :n], self.values[i, :, :, :n]))
         return tuple(out)
 

@@ -272,7 +272,9 @@ class DynamicCache:
 
         ``batch_size`` is needed only while no layer is seeded (the cache has no rows yet).
         """
-        batch = self._batch_size() or batch_size
+        batch = self._batch_size()
+        if batch is None:  # (a seeded cache of 0 rows has batch 0, not none)
+            batch = batch_size
         if batch is None:
             raise ValueError("DynamicCache.positions: no layer is seeded yet; pass batch_size.")
         n = _check_num_tokens(num_tokens, "DynamicCache.positions")

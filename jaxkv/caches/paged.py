@@ -677,8 +677,9 @@ class PagedCache(KVCache):
         """A cache of just ``rows`` (int32[N]) that shares this one's pool: no page data
         moves and no count changes. Run a step on it, then :meth:`merge_rows` it back; in
         between, use only the sub-cache (its pool and counts are the live ones). Entries
-        ``>= batch_size`` are padding: empty rows (no pages, length 0) that must write
-        nothing (``num_new`` 0); merging drops them. A serving loop steps only its busy rows
+        outside ``[0, batch_size)`` (negative ones too) are padding: empty rows (no pages,
+        length 0) that should write nothing (``num_new`` 0); merging drops them and releases
+        any page they took. A serving loop steps only its busy rows
         this way. A row named twice is an error eagerly; under ``jax.jit`` its later entries
         are padding (two entries holding one row's pages would let a step write in place
         into a page a row outside the sub-cache reads).
@@ -700,9 +701,15 @@ class PagedCache(KVCache):
 
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
-        block tables, lengths and flags at ``rows`` (padding entries dropped)."""
+        block tables, lengths and flags at ``rows`` (padding entries, outside ``[0,
+        batch_size)``, dropped: a page one of them took is released, never held by no row)."""
         idx = _distinct_rows(rows, self.batch_size, "PagedCache.merge_rows")
         mine, theirs = self.stores[0], sub.stores[0]
+        # A sub row merged as padding (a write into a padding row, or rows merged to other
+        # entries than they were taken from) held its pages alone: they stayed counted with
+        # no row holding them, lost to the pool for good (review 77).
+        dropped = jnp.where((idx >= self.batch_size)[:, None], theirs.block_table, NO_PAGE)
+        theirs = theirs.pinned(dropped.reshape(-1), -1)
         store = dataclasses.replace(theirs, block_table=mine.block_table.at[idx].set(theirs.block_table, mode="drop"))
         return dataclasses.replace(
             self, stores=(store,), lengths=self.lengths.at[:, idx].set(sub.lengths, mode="drop"),
