@@ -177,7 +177,10 @@ def test_gradients_through_two_paged_layers_and_a_copy_on_write():
     differentiation does not work for lax.while_loop" (review 68): from the second layer on,
     the write's page-plan loop carries pools that hold the first layer's keys. A prompt
     written into both layers, its rows forked (shared pages), then one token per row (the
-    shared partial page copied on write): the gradient of a static cache, under jit."""
+    shared partial page copied on write): the gradient of a static cache, under jit. Also
+    with each attention call under jax.checkpoint (nnx.remat / nn.remat) and with the layers
+    as a lax.scan: the plan's derivative rule closed over the write's arrays, which leaked
+    there (UnexpectedTracerError; review 80)."""
     from jaxkv.attention import cache_attention
     from jaxkv.caches import PagedCache, StaticCache
 
@@ -186,25 +189,36 @@ def test_gradients_through_two_paged_layers_and_a_copy_on_write():
                     for shape in ((1, 2, 5, 8), (2, 2, 1, 8), (2, 4, 1, 8)))
     shape = dict(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=8, max_length=12)
 
-    def loss_with(make):
+    def loss_with(make, how="loop"):
+        def attend(cache, layer, w, positions):
+            return cache_attention(q, new * w, new + w, cache, layer, positions=positions)
+
         def loss(w):
             cache = make()
             for layer in range(2):  # layer 1's keys depend on w as layer 0's do
                 cache, _, _ = cache.update(base * w * (layer + 1), base * w - layer, layer)
             cache = cache.batch_repeat_interleave(2)  # both rows hold the prompt's pages
-            total = 0.0
             positions = cache.positions(1, 0)
+            if how == "scan":
+                def body(cache, layer):
+                    out, cache = attend(cache, layer, w, positions)
+                    return cache, jnp.sum(out * jnp.arange(8.0))
+
+                return jnp.sum(jax.lax.scan(body, cache, jnp.arange(2))[1])
+            step = jax.checkpoint(attend, static_argnums=1) if how == "remat" else attend
+            total = 0.0
             for layer in range(2):
-                out, cache = cache_attention(q, new * w, new + w, cache, layer, positions=positions)
+                out, cache = step(cache, layer, w, positions)
                 total = total + jnp.sum(out * jnp.arange(8.0))
             return total
         return loss
 
     w = jnp.float32(0.7)
     want = jax.jit(jax.grad(loss_with(lambda: StaticCache.init(**shape))))(w)
-    paged = loss_with(lambda: PagedCache.init(**shape, page_size=4))
-    # Under jit (eagerly the same rule runs op by op, several seconds of small compiles).
-    np.testing.assert_allclose(float(jax.jit(jax.grad(paged))(w)), float(want), rtol=1e-5)
+    for how in ("loop", "remat", "scan"):
+        paged = loss_with(lambda: PagedCache.init(**shape, page_size=4), how)
+        # Under jit (eagerly the same rule runs op by op, several seconds of small compiles).
+        np.testing.assert_allclose(float(jax.jit(jax.grad(paged))(w)), float(want), rtol=1e-5, err_msg=how)
 
 
 def test_gradients_under_jit_through_caches_longer_than_one_loop_block():

@@ -71,20 +71,23 @@ _POOL_FIELDS = ("keys", "values", "key_scales", "value_scales")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _differentiable_plan(planned, pools, refcount):
-    """``planned(pools, refcount)``: a write's page plan and copy-on-write, a loop of 0 or 1
-    trips that carries the pools (see ``_write``). Reverse mode cannot go through a loop
-    whose trip count is computed, so ``jax.grad`` through a paged cache of two or more
-    layers failed (review 68: from the second layer on, the pools carry the first layer's
-    keys). The derivative of the copy is the same copy of the tangent pools, written as a
-    plain gather and scatter (no copy: every destination dropped), which transposes."""
-    return planned(pools, refcount)
+def _differentiable_plan(planned, pools, refcount, plan_inputs):
+    """``planned(pools, refcount, plan_inputs)``: a write's page plan and copy-on-write, a
+    loop of 0 or 1 trips that carries the pools (see ``_write``). Reverse mode cannot go
+    through a loop whose trip count is computed, so ``jax.grad`` through a paged cache of two
+    or more layers failed (review 68: from the second layer on, the pools carry the first
+    layer's keys). The derivative of the copy is the same copy of the tangent pools, written
+    as a plain gather and scatter (no copy: every destination dropped), which transposes.
+    ``planned`` closes over static sizes only: every array it reads comes in as an operand
+    (a closure over the write's arrays leaked them under remat or a scan over layers, where
+    the rule runs in another trace: review 80)."""
+    return planned(pools, refcount, plan_inputs)
 
 
 @_differentiable_plan.defjvp
 def _differentiable_plan_jvp(planned, primals, tangents):
-    pools, refcount = primals
-    out = planned(pools, refcount)
+    pools, refcount, plan_inputs = primals
+    out = planned(pools, refcount, plan_inputs)
     src, dst = out[-2], out[-1]
 
     def copied(t):
@@ -248,13 +251,15 @@ class PagedStorage:
             )
         return new, None, count
 
-    def _plan_pages(self, table, refcount, all_lengths, old, blk, cur, touched, held, holders, shared, rows):
+    @staticmethod
+    def _plan_pages(sizes, table, refcount, all_lengths, old, blk, cur, touched, held, holders, shared, rows):
         """The pages a write takes: ``(need, shared, fresh, per_row, fits, num_free)``, where
         ``need`` [B, K] marks blocks that get a fresh page (none yet, or copy-on-write),
         ``shared`` [B, K] those whose current page is copied into it, ``fresh`` [B * K] the
         page ids (``num_pages``: none), ``fits`` [B] the rows whose pages are all available.
-        ``shared`` comes in as the touched blocks whose page has other holders."""
-        ps, max_pages, num_pages = self.page_size, self.max_pages, self.num_pages
+        ``shared`` comes in as the touched blocks whose page has other holders. ``sizes``:
+        ``(page_size, max_pages, num_pages)``."""
+        ps, max_pages, num_pages = sizes
         batch = table.shape[0]
         # A writer may keep a shared page and write into it in place when no other holder
         # sees any slot of that page at or past where it writes (in every layer) and no pin
@@ -337,16 +342,20 @@ class PagedStorage:
         # copying the whole pool: 4 pool copies per 2-layer decode step, measured.
         sign = jax.lax.bitcast_convert_type(jnp.sum(keys.reshape(-1)[:1].astype(jnp.float32)), jnp.uint32) >> 31
 
-        def plan_and_copy(_, carry):
+        sizes = (ps, max_pages, num_pages)
+        plan_pages = self._plan_pages
+
+        def plan_and_copy(inputs, _, carry):
             # The plan and the copy-on-write are a loop of 0 or 1 trips carrying the pools
             # (not lax.cond, which would copy the pool into its branches): one trip count per
             # write, as the copy alone had, so a device runs no more conditionals than before.
             # The counts come through the carry and change in it: XLA hoists what a body
             # computes from values the loop does not change (loop-invariant code motion), and
             # the plan would run on every write again.
+            table, all_lengths, old, blk, cur, touched, held, holders, shared, rows, sign = inputs
             counts = carry[1]
-            need, copied, fresh, per_row, fits, num_free = self._plan_pages(
-                table, counts, all_lengths, old, blk, cur, touched, held, holders, shared, rows)
+            need, copied, fresh, per_row, fits, num_free = plan_pages(
+                sizes, table, counts, all_lengths, old, blk, cur, touched, held, holders, shared, rows)
             src = jnp.where(copied.reshape(-1), cur.reshape(-1), num_pages)
             dst = jnp.minimum(jnp.where(copied.reshape(-1), fresh, num_pages), num_pages + sign.astype(jnp.int32))
 
@@ -359,14 +368,16 @@ class PagedStorage:
             return pools, counts, need, fresh, per_row, fits, num_free, src, dst
 
         # Without a plan: nothing to allocate or copy (num_free is only read when a row does not fit).
-        def planned(pools, refcount):
+        def planned(pools, refcount, plan_inputs):  # closes over static sizes only (see _differentiable_plan)
+            needs_plan, inputs = plan_inputs
             unplanned = jnp.full((batch * span,), num_pages, jnp.int32)
-            carry = (pools, refcount, jnp.zeros(blk.shape, bool), unplanned, jnp.zeros((batch,), jnp.int32),
+            carry = (pools, refcount, jnp.zeros((batch, span), bool), unplanned, jnp.zeros((batch,), jnp.int32),
                      jnp.ones((batch,), bool), jnp.int32(-1), unplanned, unplanned)
-            return jax.lax.fori_loop(0, needs_plan.astype(jnp.int32), plan_and_copy, carry)
+            return jax.lax.fori_loop(0, needs_plan.astype(jnp.int32), functools.partial(plan_and_copy, inputs), carry)
 
+        plan_inputs = (needs_plan, (table, all_lengths, old, blk, cur, touched, held, holders, shared, rows, sign))
         pools, refcount, need, fresh, per_row, fits, num_free, _, _ = _differentiable_plan(
-            planned, self._pools(), refcount)
+            planned, self._pools(), refcount, plan_inputs)
         fresh = fresh.reshape(batch, span)
         table = table.at[rows, jnp.where(in_range, blk, max_pages)].set(
             jnp.where(need, fresh, cur), mode="drop"
