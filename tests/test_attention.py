@@ -265,3 +265,13 @@ def test_a_float8_cache_multiplies_probabilities_in_float32(dtype):
                                           dtype=dtype)):
         got, _ = cache_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, 0, positions=jnp.asarray(pos))
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=type(cache).__name__)
+
+
+def test_no_new_tokens_without_a_cache_is_an_empty_output():
+    """Zero queries over zero slots (KVAttention(x[B, 0, E], cache=None)) was NumPy's
+    "zero-size array to reduction operation max" (review 80); every cache kind returns an
+    empty output for the same call."""
+    empty = jnp.zeros((2, 4, 0, 8))
+    out = attend(empty, jnp.zeros((2, 2, 0, 8)), jnp.zeros((2, 2, 0, 8)), q_positions=jnp.zeros((2, 0), jnp.int32),
+                 kv_lengths=jnp.zeros((2,), jnp.int32))
+    assert out.shape == (2, 4, 0, 8)

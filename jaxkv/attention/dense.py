@@ -250,7 +250,7 @@ def attend(
     if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
     logits = jnp.where(mask, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # (no slots at all: 0 new tokens, no cache)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # a query that sees nothing
     weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
