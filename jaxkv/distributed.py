@@ -129,10 +129,12 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=LLAMA_RULES) -> Any:
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
     """``x`` (a host value, the same in every process) as a global array split by ``sharding``;
     each process fills only its own devices' shards."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x  # placed already (a second call): copying every weight to the host and back was the cost (review 81)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         # already global (a second call placing what the first placed): reshard on device,
         # np.asarray cannot read the other processes' shards
-        return x if x.sharding == sharding else jax.jit(lambda a: a, out_shardings=sharding)(x)
+        return jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

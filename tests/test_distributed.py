@@ -107,3 +107,17 @@ def test_a_failed_worker_ends_the_wait_at_once_with_its_stderr():
     assert slow.poll() is not None
     ok = [start("print('a')"), start("print('b')")]
     assert distributed._wait_all(ok, timeout=50) == [("a\n", ""), ("b\n", "")]
+
+
+def test_placing_a_placed_array_hands_it_back():
+    """distributed.generate places the weights on every call: each placed weight went to the
+    host (np.asarray) and back, the whole model both ways per call (review 81)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "model"))
+    placed = distributed.place(np.arange(6.0).reshape(2, 3), sharding)
+    assert distributed.place(placed, sharding) is placed
+    np.testing.assert_array_equal(np.asarray(placed), np.arange(6.0).reshape(2, 3))

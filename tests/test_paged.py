@@ -199,6 +199,21 @@ def test_put_rows_copies_pages_into_fresh_ones():
     small = write_all(paged(batch=2, num_pages=4), k)
     out = big.put_rows(jnp.array([2, 0]), small)
     assert_accounting(out)
+    # Called again eagerly with the same shapes, it compiles nothing (its admission scan's
+    # body was a closure made per call: one new program every call; review 81).
+    compiles = []
+
+    def listen(event, _, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(2):
+            jax.block_until_ready(big.put_rows(jnp.array([2, 0]), small).refcount)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [], compiles
     host = np.asarray(k)
     np.testing.assert_array_equal(out.seq_lengths(0), [6, 5, 6])
     attention_matches(out.batch_select_indices(jnp.array([2, 0])), [list(host[b].transpose(1, 0, 2)) for b in range(2)])

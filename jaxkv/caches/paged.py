@@ -104,15 +104,17 @@ def _differentiable_plan_jvp(planned, primals, tangents):
     return out, (tangent_pools, *zeros)
 
 
+def _admit_one(left: Array, n: Array) -> tuple[Array, Array]:
+    ok = n <= left
+    return jnp.where(ok, left - n, left), ok
+
+
 def _admit(need: Array, num_free: Array) -> Array:
     """bool[B]: rows that get their ``need[b]`` pages, first come first served (a row that
-    does not fit takes nothing, and later rows may still fit); need 0 always fits."""
-
-    def step(left, n):
-        ok = n <= left
-        return jnp.where(ok, left - n, left), ok
-
-    return jax.lax.scan(step, num_free, need)[1]
+    does not fit takes nothing, and later rows may still fit); need 0 always fits. (The scan
+    body is one module-level function: a closure made per call was a new program to compile
+    on every eager ``put_rows``; review 81.)"""
+    return jax.lax.scan(_admit_one, num_free, need)[1]
 
 
 def _first_free(refcount: Array, n: int) -> tuple[Array, Array]:
