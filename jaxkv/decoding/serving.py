@@ -104,9 +104,16 @@ def _put_rows(cache: Any, rows: jax.Array, part: Any) -> Any:
     return cache.put_rows(rows, part, mask=rows < cache.batch_size)
 
 
-def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, reset):
+# Traces of the two programs, by name: they are module-level programs with the model's graph
+# static, so a second loop over the same model and sizes compiles nothing (a jit of a partial
+# made per loop compiled both again for every loop; review 81).
+_TRACES: collections.Counter = collections.Counter()
+
+
+@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def _prefill_program(graphdef, state, cache, rows, tokens, num_new, reset):
     # rows: int32[R] slots (>= S: an unused entry); tokens [R, C]; num_new [R]; reset bool[R].
-    counter["prefill"] += 1  # runs only while tracing: counts compilations
+    _TRACES["prefill"] += 1  # runs only while tracing: counts compilations
     if rows.shape[0] == cache.batch_size:  # the whole batch: masking alone, rows in order
         cache = cache.reset(rows=reset)
         last, _, cache = prefill_chunk(graphdef, state, cache, tokens, num_new)
@@ -116,8 +123,9 @@ def _prefill_program(graphdef, counter, state, cache, rows, tokens, num_new, res
     return _greedy(last), _put_rows(cache, rows, part)
 
 
-def _decode_program(graphdef, counter, state, cache, tokens, active):
-    counter["decode"] += 1
+@partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")
+def _decode_program(graphdef, state, cache, tokens, active):
+    _TRACES["decode"] += 1
     logits, cache = forward(graphdef, state, tokens[:, None], cache, active.astype(jnp.int32))
     return _greedy(logits[:, 0]), cache
 
@@ -188,15 +196,15 @@ class ServingLoop:
             raise ValueError(f"{who}: prefill_rows ({prefill_rows}) must be <= num_slots ({num_slots})")
         self._graphdef, self._state = nnx.split(model)
         self._cache = init_model_cache(model, self.num_slots, self.max_length, cache_dtype, cache_kind)
-        self._counter = collections.Counter()
-        self._prefill = jax.jit(partial(_prefill_program, self._graphdef, self._counter), donate_argnames="cache")
-        self._decode = jax.jit(partial(_decode_program, self._graphdef, self._counter), donate_argnames="cache")
+        self._traces_before = collections.Counter(_TRACES)
         self.stats: dict[str, float] = {}
 
     @property
     def compile_counts(self) -> dict[str, int]:
-        """How many times each program was traced (compiled): ``{"prefill": n, "decode": m}``."""
-        return {"prefill": self._counter["prefill"], "decode": self._counter["decode"]}
+        """How many times each program was traced (compiled) since this loop was built:
+        ``{"prefill": n, "decode": m}``. A loop over the same model and sizes as an earlier
+        one reuses its programs (0, 0)."""
+        return {name: _TRACES[name] - self._traces_before[name] for name in ("prefill", "decode")}
 
     def _fetch(self, tokens: jax.Array) -> np.ndarray:
         """The call's tokens on the host, with the cache's flags in the same transfer: a
@@ -287,7 +295,8 @@ class ServingLoop:
                     slot.prefilled += len(chunk)
                     slot.fresh = False
                 tick = time.perf_counter()
-                first, self._cache = self._prefill(self._state, self._cache, rows, tokens, num_new, reset)
+                first, self._cache = _prefill_program(self._graphdef, self._state, self._cache, rows, tokens,
+                                                      num_new, reset)
                 first = self._fetch(first)
                 prefill_s += time.perf_counter() - tick
                 prefill_calls += 1
@@ -304,7 +313,7 @@ class ServingLoop:
                     tokens[row] = slots[row].tokens[-1]
                     active[row] = True
                 tick = time.perf_counter()
-                nxt, self._cache = self._decode(self._state, self._cache, tokens, active)
+                nxt, self._cache = _decode_program(self._graphdef, self._state, self._cache, tokens, active)
                 nxt = self._fetch(nxt)
                 decode_s += time.perf_counter() - tick
                 decode_calls += 1
