@@ -76,6 +76,20 @@ def bucket_length(prompt_len: int, *, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(prompt_len) - 1).bit_length())
 
 
+#: A stop id no token ever is (ids are >= 0, NAN_TOKEN is -1): "no EOS" as a traced value,
+#: so a program compiled for one stop id serves every other and none.
+NO_STOP = -2
+
+
+def pad_to_bucket(input_ids: jax.Array, fill: int, bucket: bool = True) -> jax.Array:
+    """``input_ids`` [B, P] padded with ``fill`` to ``bucket_length(P)`` columns (``bucket``),
+    so that prompts of nearby lengths share one compiled program; the padding lies past
+    every row's ``prompt_lengths`` and is never stored."""
+    width = input_ids.shape[1]
+    padded = bucket_length(width) if bucket else width
+    return input_ids if padded == width else jnp.pad(input_ids, ((0, 0), (0, padded - width)), constant_values=fill)
+
+
 def select_token(
     logits: jax.Array,  # [B, V]
     row_keys: jax.Array | None = None,  # [B] keys

@@ -207,6 +207,9 @@ def test_compiles_once_for_new_prompts_penalties_and_stopping_modes(hf_pair):
     before = _beam_search._cache_size()
     beam_search(model, ids[::-1], HF_N, length_penalty=0.3, early_stopping="never", **kw)
     beam_search(model, ids, HF_N, length_penalty=-2.0, early_stopping=True, **kw)
+    # Another prompt width in the same bucket, another stop and pad id: each compiled a search
+    # of its own (review 81).
+    beam_search(model, ids[:, :-1], HF_N, num_beams=HF_BEAMS, eos_token_id=(eos + 1) % 7, pad_token_id=2)
     assert _beam_search._cache_size() == before
 
 

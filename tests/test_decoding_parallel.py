@@ -34,8 +34,9 @@ def test_prompt_is_processed_once_then_fanned_out(model, monkeypatch):
     out = sample_n(model, IDS, 5, num_return_sequences=NUM, key=jax.random.key(0), config=CONFIG,
                    prompt_lengths=LENGTHS)
     assert out.shape == (2, NUM, 5)
-    # One forward over the [B, P] prompts, then single-token steps over B * n rows.
-    assert calls == [(2, 5), (2 * NUM, 1)]
+    # One forward over the [B, P] prompts (P = 5 padded to its bucket, 16), then single-token
+    # steps over B * n rows.
+    assert calls == [(2, 16), (2 * NUM, 1)]
 
 
 def test_samples_equal_independent_cache_free_runs(model):
@@ -80,6 +81,10 @@ def test_second_call_compiles_nothing(model):
     before = _sample_n._cache_size()
     sample_n(model, IDS[::-1], N, num_return_sequences=NUM, key=jax.random.key(6), config=CONFIG,
              prompt_lengths=LENGTHS[::-1])
+    # Another prompt width in the same bucket, another stop and pad id: each compiled a search
+    # of its own (review 81).
+    sample_n(model, IDS[:, :-1], N, num_return_sequences=NUM, key=jax.random.key(6), config=CONFIG,
+             prompt_lengths=np.minimum(LENGTHS, IDS.shape[1] - 1), eos_token_id=3, pad_token_id=4)
     assert _sample_n._cache_size() == before
 
 

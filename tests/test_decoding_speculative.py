@@ -48,6 +48,20 @@ def test_greedy_equals_target_greedy(target, reference, draft_kind, k):
         assert len(set(accepted.tolist())) > 1 and 0 < out.acceptance_rate < 1
 
 
+def test_prompts_of_another_width_in_the_bucket_reuse_the_program(target, reference):
+    """Each prompt width compiled a search of its own (review 81); widths 6 and 7 share the
+    bucket of 16, and the tokens are those of the unpadded call."""
+    from jaxkv.decoding.speculative import _speculative
+
+    out = speculative_generate(target, target, IDS, N, num_draft_tokens=3, prompt_lengths=LENGTHS)
+    before = _speculative._cache_size()
+    wider = np.pad(IDS, ((0, 0), (0, 1)), constant_values=3)
+    again = speculative_generate(target, target, wider, N, num_draft_tokens=3, prompt_lengths=LENGTHS)
+    assert _speculative._cache_size() == before
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
+    np.testing.assert_array_equal(np.asarray(out.tokens), reference)
+
+
 def test_hybrid_target_with_a_draft_without_sliding_layers():
     """cache_kind="hybrid" is the target's; a draft with no sliding layer takes the static
     kind (a hybrid cache of it was refused). Greedy tokens equal the uncached reference."""

@@ -54,7 +54,7 @@ from jaxkv.decoding._common import (
     forward,
     logits_at,
 )
-from jaxkv.generation import NAN_TOKEN, check_prompts, init_model_cache, poison_bad_lengths
+from jaxkv.generation import NAN_TOKEN, NO_STOP, check_prompts, init_model_cache, pad_to_bucket, poison_bad_lengths
 from jaxkv.sampling import SamplingConfig, apply_penalties, init_history, record_tokens
 
 __all__ = ["BeamSearchOutput", "beam_search"]
@@ -89,14 +89,14 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:  # [B, K, ...], [B, M] -
 @partial(
     jax.jit,
     static_argnames=(
-        "graphdef", "max_new_tokens", "num_beams", "eos_token_id", "pad_token_id", "cache_dtype", "cache_kind",
-        "penalties",
+        "graphdef", "max_new_tokens", "num_beams", "cache_dtype", "cache_kind", "penalties",
     ),
 )
 def _beam_search(
-    graphdef, state, input_ids, prompt_lengths, length_penalty, early_stopping, *, max_new_tokens, num_beams,
-    eos_token_id, pad_token_id, cache_dtype, cache_kind, penalties=SamplingConfig(),
+    graphdef, state, input_ids, prompt_lengths, length_penalty, early_stopping, eos_token_id, pad_token_id, *,
+    max_new_tokens, num_beams, cache_dtype, cache_kind, penalties=SamplingConfig(),
 ):
+    # eos_token_id (NO_STOP: none) and pad_token_id are traced int32: any value reuses the search.
     # length_penalty (float32) and early_stopping (int32: 0 False, 1 True, 2 "never") are
     # traced, so changing them reuses the compiled search.
     model = nnx.merge(graphdef, state)
@@ -157,9 +157,7 @@ def _beam_search(
         # NAN_TOKEN, as generate's rows do: its ids were argmax-of-NaN 0s, valid-looking (review 76).
         top_token = jnp.where(jnp.isnan(top_scores), NAN_TOKEN, (top_idx % vocab).astype(jnp.int32))
         top_seqs = _gather(c["running"], top_beam).at[:, :, t].set(top_token)  # [B, 2K, N]
-        hits = jnp.broadcast_to(t + 1 >= n, top_token.shape)
-        if eos_token_id is not None:
-            hits = hits | (top_token == eos_token_id)
+        hits = jnp.broadcast_to(t + 1 >= n, top_token.shape) | (top_token == eos_token_id)
 
         # The next running beams: the best K continuations that did not just finish.
         alive_scores = top_scores + jnp.where(hits, _NEG, 0.0)
@@ -235,6 +233,7 @@ def beam_search(
     prompt_lengths: Any = None,  # [B] int
     cache_dtype: Any = None,
     cache_kind: str = "static",
+    bucket: bool = True,
 ) -> BeamSearchOutput:
     """Beam search over each prompt; the whole search is one jitted ``while_loop``.
 
@@ -259,6 +258,9 @@ def beam_search(
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
         cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
             (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
+        bucket: pad the prompt axis to the next power of two (>= 16), as ``generate`` does,
+            so that prompts of nearby lengths share one compiled program (the EOS and pad
+            ids are traced: any value shares it too).
 
     Returns:
         A :class:`BeamSearchOutput` with ``sequences`` [B, R, N], ``lengths`` [B, R] and
@@ -308,14 +310,14 @@ def beam_search(
     sequences, lengths, scores = _beam_search(
         graphdef,
         state,
-        input_ids,
+        pad_to_bucket(input_ids, pad, bucket),
         prompt_lengths,
         jnp.float32(length_penalty),
         jnp.int32({False: _STOP_FALSE, True: _STOP_TRUE, "never": _STOP_NEVER}[early_stopping]),
+        jnp.int32(NO_STOP if eos is None else eos),
+        jnp.int32(pad),
         max_new_tokens=n,
         num_beams=k,
-        eos_token_id=eos,
-        pad_token_id=pad,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
         cache_kind=cache_kind,
         penalties=penalties,

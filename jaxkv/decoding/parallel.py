@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, check_token_id, forward, logits_at
-from jaxkv.generation import check_prompts, init_model_cache, poison_bad_lengths, select_token
+from jaxkv.generation import NO_STOP, check_prompts, init_model_cache, pad_to_bucket, poison_bad_lengths, select_token
 from jaxkv.sampling import SamplingConfig, init_history, record_tokens
 
 __all__ = ["sample_keys", "sample_n"]
@@ -36,10 +36,9 @@ def sample_keys(key: jax.Array, batch_size: int, num_return_sequences: int) -> j
     return jax.random.split(key, batch_size * num_return_sequences).reshape(batch_size, num_return_sequences)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "eos_token_id", "pad_token_id", "cache_dtype",
-                                   "cache_kind"))
-def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_tokens, config, eos_token_id, pad_token_id, cache_dtype,
-              cache_kind):
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "config", "cache_dtype", "cache_kind"))
+def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, eos_token_id, pad_token_id, *, max_new_tokens, config,
+              cache_dtype, cache_kind):
     model = nnx.merge(graphdef, state)
     batch, prompt_len = input_ids.shape
     n = keys.shape[1]
@@ -53,7 +52,7 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
     history = init_history(config, jnp.repeat(input_ids, n, axis=0), jnp.repeat(prompt_lengths, n), logits.shape[-1])
     first = select_token(logits, keys, 0, config, history)
     history = record_tokens(history, first)
-    done = jnp.zeros_like(first, bool) if eos_token_id is None else first == eos_token_id
+    done = first == eos_token_id  # a traced id (NO_STOP: none), as the pad: any value reuses the program
 
     def step(carry, t):
         tokens, done, cache, history = carry
@@ -61,8 +60,7 @@ def _sample_n(graphdef, state, input_ids, prompt_lengths, keys, *, max_new_token
         nxt = select_token(logits[:, 0], keys, t, config, history)
         nxt = jnp.where(done, pad_token_id, nxt)
         history = record_tokens(history, nxt, ~done)
-        if eos_token_id is not None:
-            done = done | (nxt == eos_token_id)
+        done = done | (nxt == eos_token_id)
         return (nxt, done, cache, history), nxt
 
     steps = jnp.arange(1, max_new_tokens, dtype=jnp.int32)
@@ -85,6 +83,7 @@ def sample_n(
     pad_token_id: int = 0,
     cache_dtype: Any = None,
     cache_kind: str = "static",
+    bucket: bool = True,
 ) -> jax.Array:  # [B, n, N] int32
     """Draws ``num_return_sequences`` samples per prompt, prefilling each prompt once.
 
@@ -104,6 +103,9 @@ def sample_n(
         cache_dtype: key/value storage dtype; default the model's parameter dtype.
         cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
             (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
+        bucket: pad the prompt axis to the next power of two (>= 16), as ``generate`` does,
+            so that prompts of nearby lengths share one compiled program (the EOS and pad
+            ids are traced: any value shares it too).
 
     Returns:
         int32 [B, n, N]: ``out[b, j]`` is sample ``j`` of prompt ``b``.
@@ -153,13 +155,13 @@ def sample_n(
     return _sample_n(
         graphdef,
         state,
-        input_ids,
+        pad_to_bucket(input_ids, pad, bucket),
         prompt_lengths,
         keys,
+        jnp.int32(NO_STOP if eos is None else eos),
+        jnp.int32(pad),
         max_new_tokens=n_tokens,
         config=config,
-        eos_token_id=eos,
-        pad_token_id=pad,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype),
         cache_kind=cache_kind,
     )

@@ -44,7 +44,14 @@ from flax import nnx
 
 from jaxkv._checks import check_model, model_vocab_size
 from jaxkv.decoding._common import check_positive_int, filtered_logits, forward, logits_at, logits_width
-from jaxkv.generation import NAN_TOKEN, check_prompts, init_model_cache, nan_rows_as_nan_token, poison_bad_lengths
+from jaxkv.generation import (
+    NAN_TOKEN,
+    check_prompts,
+    init_model_cache,
+    nan_rows_as_nan_token,
+    pad_to_bucket,
+    poison_bad_lengths,
+)
 from jaxkv.sampling import SamplingConfig, apply_penalties, greedy, init_history, record_tokens
 
 __all__ = ["SpeculativeOutput", "speculative_generate"]
@@ -269,6 +276,7 @@ def speculative_generate(
     prompt_lengths: Any = None,  # [B] int
     cache_dtype: Any = None,
     cache_kind: str = "static",
+    bucket: bool = True,
 ) -> SpeculativeOutput:
     """Generates with ``target``, drafting ``num_draft_tokens`` at a time with ``draft``.
 
@@ -287,6 +295,8 @@ def speculative_generate(
         cache_dtype: key/value storage dtype of both caches; default each model's dtype.
         cache_kind: ``"static"`` (default), or another kind the model's ``init_cache`` offers
             (``Llama``: ``"hybrid"``, ``"quantized"``); every algorithm takes every kind.
+        bucket: pad the prompt axis to the next power of two (>= 16), as ``generate`` does,
+            so that prompts of nearby lengths share one compiled program.
 
     Returns:
         :class:`SpeculativeOutput`: ``tokens`` [B, N] and acceptance statistics.
@@ -327,7 +337,7 @@ def speculative_generate(
         t_state,
         d_graphdef,
         d_state,
-        input_ids,
+        pad_to_bucket(input_ids, 0, bucket),  # (any id: the padding is never stored)
         prompt_lengths,
         key,
         max_new_tokens=n,
