@@ -142,7 +142,7 @@ def poison_bad_lengths(input_ids: jax.Array, prompt_lengths: jax.Array) -> tuple
     :data:`NAN_TOKEN` (see :func:`nan_rows_as_nan_token`), as for a bad id. Valid rows are
     unchanged.
     """
-    prompt_lengths = _widen(prompt_lengths)
+    prompt_lengths, input_ids = _widen(prompt_lengths), _widen(input_ids)  # uint8 ids: the -1 was id 255
     bad = (prompt_lengths < 1) | (prompt_lengths > input_ids.shape[1])
     input_ids = input_ids.at[:, 0].set(jnp.where(bad, -1, input_ids[:, 0]))
     return input_ids, jnp.where(bad, 1, prompt_lengths)

@@ -582,13 +582,14 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
     if len(shapes) != treedef.num_leaves:
         raise CacheFileError(f"{path}: {len(shapes)} arrays for a structure of {treedef.num_leaves}; the file is damaged.")
     abstract = jax.tree.unflatten(treedef, shapes)
-    static = getattr(abstract, "dtype", None)
-    if static is not None and jax.dtypes.canonicalize_dtype(static) != jnp.dtype(static):
+    wide = _wide_static_dtypes(abstract)
+    if wide:
         # Its buffers would load as 32-bit ones under a cache whose static dtype still says
-        # 64-bit: writes and reads then disagree (review 77, as for a pickle).
+        # 64-bit: writes and reads then disagree (review 77, as for a pickle; review 82: a
+        # cache inside another, a page pool's scale dtype).
         raise CacheFileError(
-            f"{path}: the file holds a {jnp.dtype(static)} cache, and JAX holds 64-bit arrays only with "
-            "jax_enable_x64; call jax.config.update('jax_enable_x64', True) before loading it."
+            f"{path}: the file holds a cache of {', '.join(wide)} (its static dtype), and JAX holds 64-bit arrays "
+            "only with jax_enable_x64; call jax.config.update('jax_enable_x64', True) before loading it."
         )
     if like is not None:
         _check_like(path, header, abstract, like)
@@ -611,6 +612,21 @@ def load_cache(path: str | os.PathLike, *, like: Any = None, sharding: Any = Non
         return _with_static_sharding(jax.tree.unflatten(treedef, leaves), None if like is not None else sharding)
     out = [jnp.asarray(a) if s is None else jax.device_put(a, s) for a, s in zip(leaves, targets)]
     return _with_static_sharding(jax.tree.unflatten(treedef, out), None if like is not None else sharding)
+
+
+def _wide_static_dtypes(tree: Any) -> list[str]:
+    """The 64-bit dtypes the caches in ``tree`` name as static metadata (storage ``dtype``,
+    ``scale_dtype``) that this process holds in 32 bits (no x64)."""
+    from jaxkv.caches import KVCache
+
+    wide = set()
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)):
+        for store in getattr(node, "stores", ()) if isinstance(node, KVCache) else ():
+            for name in ("dtype", "scale_dtype"):
+                dtype = getattr(store, name, None)
+                if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != jnp.dtype(dtype):
+                    wide.add(jnp.dtype(dtype).name)
+    return sorted(wide)
 
 
 def _check_like(path: str, header: dict, abstract: Any, like: Any) -> None:

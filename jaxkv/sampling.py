@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.caches._checks import _widen
+
 __all__ = [
     "SamplingConfig",
     "TokenHistory",
@@ -153,6 +155,7 @@ def init_history(
 def token_counts(ids: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:  # [B, L], [B] -> int32 [B, V]
     """How often each id occurs in ``ids[b, :lengths[b]]``; ids outside ``[0, vocab_size)`` are not counted."""
     batch, width = ids.shape
+    ids = _widen(ids)  # uint8 ids: vocab_size 256 wrapped to 0, counted as token 0 (review 82)
     valid = jnp.arange(width)[None, :] < jnp.asarray(lengths)[:, None]
     ids = jnp.where(valid & (ids >= 0), ids, vocab_size)  # an index past the end: dropped (a negative one would wrap)
     return jnp.zeros((batch, vocab_size), jnp.int32).at[jnp.arange(batch)[:, None], ids].add(1, mode="drop")
@@ -165,6 +168,7 @@ def record_tokens(history: TokenHistory | None, tokens: jax.Array, active: jax.A
     if history is None:
         return None
     vocab = history.counts.shape[-1]
+    tokens = _widen(tokens)
     keep = tokens >= 0 if active is None else active & (tokens >= 0)
     ids = jnp.where(keep, tokens, vocab)  # an index past the end: dropped (a negative one would wrap)
     counts = history.counts.at[jnp.arange(tokens.shape[0]), ids].add(1, mode="drop")

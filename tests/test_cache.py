@@ -656,6 +656,9 @@ def test_the_dynamic_constructor_checks_layers_and_from_legacy_cache_refuses_who
             DynamicCache(layers)
     abstract = jax.ShapeDtypeStruct((1, 2, 3, 4), jnp.float32)
     assert DynamicCache([(abstract, abstract)]).get_seq_length(0) == 3  # a load_cache(like=) target
+    # A JAX prefix tree is no layer to check (review 82: vmap axes were refused).
+    seeded = DynamicCache([(ones(2, 1, 3, 4), ones(2, 1, 3, 4)), None])
+    assert jax.vmap(lambda c: c.get_seq_length(0), in_axes=(DynamicCache([(0, 0), None]),))(seeded).shape == (2,)
     stacked = jax.vmap(lambda c: c)(jax.tree.map(lambda x: jnp.stack([x, x]), cache))  # rank-5 leaves, rebuilt
     assert stacked.layers[0][0].shape == (2, 1, 2, 3, 4)
     static = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=4, max_length=8)

@@ -290,12 +290,18 @@ def test_the_transformers_constructor_form_is_refused_not_read_as_causal_attenti
     with pytest.raises(TypeError, match=r"cross_attention must be a CrossAttentionCache, got a DynamicCache \(the "
                                         r"transformers form .*CrossAttentionCache.from_layers\(cross_cache"):
         EncoderDecoderCache(DynamicCache(num_layers=LAYERS), cross)
-    with pytest.raises(TypeError, match=r"self_attention must be a jaxkv cache .* got a tuple"):
-        EncoderDecoderCache(tuple(_pair()), CrossAttentionCache.from_layers(_pair()))
     src, src_len = sources()
     cache = new_cache(src, src_len)
     assert jax.jit(lambda c: c)(cache).cross_attention.keys.shape == cache.cross_attention.keys.shape
     assert jax.tree.map(lambda x: None, cache).cross_attention.keys is None
+    # JAX prefix trees and is_leaf maps build the node with other leaves (review 82 found the
+    # first check refusing them): vmap over the self part only, the cross part broadcast.
+    axes = EncoderDecoderCache(0, None)
+    lengths = jax.vmap(lambda c: c.self_attention.lengths.sum(), in_axes=(axes,))(
+        EncoderDecoderCache(jax.tree.map(lambda x: jnp.stack([x, x]), cache.self_attention), cache.cross_attention))
+    assert lengths.shape == (2,)
+    parts = jax.tree.map(lambda part: type(part).__name__, cache, is_leaf=lambda x: x is not cache)
+    assert parts.cross_attention == "CrossAttentionCache"
 
 
 def _pair(batch=2, enc=ENC):

@@ -462,7 +462,7 @@ def test_keys_config_json_leaves_out_read_as_transformers_does(raw):
     assert config.num_kv_heads * config.head_dim == hf_attention.k_proj.out_features
 
 
-@pytest.mark.parametrize("form", ["mistral config.json with layer_types", "ministral"])
+@pytest.mark.parametrize("form", ["mistral config.json with layer_types", "as transformers re-saves it", "ministral"])
 def test_alternating_sliding_layers_as_transformers_loads_them(form, tmp_path):
     """A Mistral config.json with a layer_types key is Ministral for AutoConfig.from_pretrained
     (full and sliding layers alternating, Ministral-8B's layout): jaxkv slid every layer, as
@@ -479,6 +479,10 @@ def test_alternating_sliding_layers_as_transformers_loads_them(form, tmp_path):
         transformers.MistralForCausalLM(transformers.MistralConfig(**kwargs)).save_pretrained(tmp_path)
         raw = json.loads((tmp_path / "config.json").read_text())
         (tmp_path / "config.json").write_text(json.dumps(raw | {"layer_types": types}))
+        if form == "as transformers re-saves it":  # model_type ministral, architectures MistralForCausalLM (review 82)
+            transformers.AutoConfig.from_pretrained(tmp_path).save_pretrained(tmp_path)
+            resaved = json.loads((tmp_path / "config.json").read_text())
+            assert (resaved["model_type"], resaved["architectures"]) == ("ministral", ["MistralForCausalLM"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "MinistralForCausalLM" and list(hf.config.layer_types) == types
     loaded = from_pretrained(str(tmp_path))

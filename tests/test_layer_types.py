@@ -145,6 +145,8 @@ def test_moe_configs_slide_where_transformers_attention_slides(name):
     assert layer_types_from_config(config) == (want, 4)
     assert layer_types_from_config(raw) == (want_json, 4)
     assert HybridCache.from_config(raw, batch_size=1, max_length=16).layer_types == want_json
+    # the object as its class reads it (review 82: its to_dict() went through config.json's rule)
+    assert HybridCache.from_config(config, batch_size=1, max_length=16).layer_types == want
 
 
 def test_a_config_built_by_hand_needs_a_window_for_its_sliding_layers():

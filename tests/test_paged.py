@@ -525,3 +525,13 @@ def test_a_page_a_padding_row_took_is_released_on_merge():
         assert np.asarray(merged.lengths[0]).tolist() == [3, 2, 2]
         assert_accounting(merged)
         assert merged.free_pages == 2  # 3 rows' pages and row 0's second page
+    # Merged at other entries than taken (rows [0, 1] taken, row 1's entry merged as padding):
+    # its pages are row 1's too, counted once by take_rows; releasing them freed a page row 1
+    # still reads, and row 0's next write took it (review 82). Counts stay at what rows hold.
+    sub = cache.take_rows(jnp.array([0, 1]))
+    sub = sub.update(jnp.full((2, 1, 1, 2), 5.0), jnp.full((2, 1, 1, 2), 5.0), 0, num_new=jnp.array([1, 0]))[0]
+    merged = cache.merge_rows(jnp.array([0, 3]), sub)
+    assert_accounting(merged)
+    merged = merged.update(jnp.full((3, 1, 2, 2), 9.0), jnp.full((3, 1, 2, 2), 9.0), 0, num_new=jnp.array([1, 0, 0]))[0]
+    assert_accounting(merged)
+    assert (np.asarray(merged[0][0])[1, 0, :2] == 1.0).all()  # row 1 still reads its own tokens

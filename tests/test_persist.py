@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -738,8 +739,12 @@ def test_64_bit_leaves_without_x64_load_only_when_nothing_is_lost(tmp_path):
         wide = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4, dtype=jnp.float64)
         save_cache(tmp_path / "f64", wide.update(jnp.ones((1, 1, 2, 2)), jnp.ones((1, 1, 2, 2)), 0)[0])
         assert load_cache(tmp_path / "f64").keys.dtype == jnp.float64
-    with pytest.raises(CacheFileError, match=r"holds a float64 cache, and JAX holds 64-bit arrays only with jax_enable_x64"):
-        load_cache(tmp_path / "f64")
+        # inside another tree too (review 82: only the top level's dtype was read)
+        save_cache(tmp_path / "nested", {"cache": wide})
+    for name in ("f64", "nested"):
+        with pytest.raises(CacheFileError, match=r"holds a cache of float64 \(its static dtype\), and JAX holds "
+                                                 r"64-bit arrays only with jax_enable_x64"):
+            load_cache(tmp_path / name)
 
 
 def test_orbax_sharded_restore_onto_other_meshes(tmp_path):
@@ -764,3 +769,17 @@ def test_a_paged_cache_with_numpy_bits_saves_and_bad_bits_are_refused(tmp_path):
     for bad in (8.0, True, 3):
         with pytest.raises(ValueError, match="bits must be None"):
             PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, max_length=16, bits=bad)
+
+
+def test_files_saved_before_the_dynamic_cache_registration_changed_load_with_like():
+    """Files written at ad26b2b (before DynamicCache registered itself with its own flatten):
+    the new flatten gave None as the node's data where register_dataclass gave (), and
+    load_cache(like=) called those files a mismatch (review 82). Keys arange(24), values + 1."""
+    data = Path(__file__).parent / "data"
+    k = jnp.arange(24.0).reshape(1, 2, 3, 4)
+    dynamic = load_cache(data / "dynamic_ad26b2b.jaxkv", like=DynamicCache([(k, k), None]))
+    np.testing.assert_array_equal(np.asarray(dynamic.layers[0][1]), np.asarray(k + 1))
+    assert dynamic.layers[1] is None
+    like = EncoderDecoderCache.create(DynamicCache([(k, k)]), CrossAttentionCache.from_layers([(k, k)]))
+    encdec = load_cache(data / "encdec_ad26b2b.jaxkv", like=like)
+    np.testing.assert_array_equal(np.asarray(encdec.cross_attention.keys[0]), np.asarray(k))

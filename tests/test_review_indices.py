@@ -131,6 +131,20 @@ def test_narrow_integer_dtypes_are_range_tested_whole_under_jit():
     lengths = jax.jit(lambda n: check_prompts(ids, n, "test")[1])(jnp.array([200], jnp.uint8))
     assert lengths.tolist() == [200]
 
+    # Token histories and the poisoning of a bad length (review 82): uint8 padding was counted
+    # as id 0, an inactive row's token as id 0, and the poison id -1 of a uint8 prompt became
+    # the valid id 255.
+    from jaxkv.generation import poison_bad_lengths
+    from jaxkv.sampling import TokenHistory, record_tokens, token_counts
+
+    counts = jax.jit(lambda i: token_counts(i, jnp.array([1]), 256))(jnp.array([[5, 0]], jnp.uint8))
+    assert int(counts[0, 5]) == 1 and int(counts[0, 0]) == 0
+    history = TokenHistory(jnp.zeros((1, 256), bool), jnp.zeros((1, 256), jnp.int32))
+    recorded = jax.jit(lambda t: record_tokens(history, t, jnp.array([False])))(jnp.array([7], jnp.uint8))
+    assert not recorded.counts.any()
+    poisoned, _ = jax.jit(poison_bad_lengths)(jnp.array([[3, 4]], jnp.uint8), jnp.array([0], jnp.uint8))
+    assert int(poisoned[0, 0]) == -1
+
     model = Llama(LlamaConfig.tiny(vocab_size=256, num_layers=1), rngs=nnx.Rngs(0))
     tokens = np.array([[3, 200, 255]])
     forward = nnx.jit(lambda m, t: m(t, None)[0])

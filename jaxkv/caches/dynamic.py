@@ -412,12 +412,19 @@ def _checked_layers(layers: tuple, who: str) -> tuple:
     leaves (``jax.ShapeDtypeStruct``) are checked by shape and dtype."""
     out = []
     for i, entry in enumerate(layers):
-        if entry is None:
-            out.append(None)
+        if entry is None or not all(_array_like(x) for x in entry):
+            # None, or a JAX prefix tree's leaves (vmap axes, shardings, PartitionSpecs): as they are
+            out.append(entry)
             continue
         out.append(_check_states(entry[0], entry[1], f"{who} (layer {i})", abstract=True))
-    _check_same_batch(out, who)
+    _check_same_batch([e for e in out if e is not None and all(_array_like(x) for x in e)], who)
     return tuple(out)
+
+
+def _array_like(x: Any) -> bool:
+    """An array (JAX, NumPy, torch) or an abstract one: what a layer's keys and values are, not
+    a leaf of a prefix tree (an int axis, None, a sharding; review 82)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, jax.sharding.Sharding)
 
 
 def _refuse_cache_object(x: Any, who: str) -> None:
@@ -443,15 +450,17 @@ def _refuse_cache_object(x: Any, who: str) -> None:
         )
 
 
+# The node's aux data is (), as register_dataclass gave it: saved files describe the tree with
+# it, and load_cache(like=) compares the descriptions (None there refused older files; review 82).
 def _flatten_with_keys(cache: DynamicCache):
-    return ((jax.tree_util.GetAttrKey("layers"), cache.layers),), None
+    return ((jax.tree_util.GetAttrKey("layers"), cache.layers),), ()
 
 
 def _flatten(cache: DynamicCache):
-    return (cache.layers,), None
+    return (cache.layers,), ()
 
 
-def _unflatten(_: None, children: Sequence[Any]) -> DynamicCache:
+def _unflatten(_: tuple, children: Sequence[Any]) -> DynamicCache:
     return DynamicCache._of(children[0])
 
 

@@ -206,19 +206,19 @@ class EncoderDecoderCache:
         # was, its cross part was read as a causal self-attention layer (slot s at position s),
         # a silently wrong cross-attention (review 78). JAX rebuilds the tree through here with
         # the same node types, so a type check holds for every leaf it brings.
+        # Only a cache in the cross part is refused: JAX prefix trees (vmap axes, shardings) and
+        # tree maps with is_leaf build this node with other leaves (review 82).
         who = "EncoderDecoderCache"
-        if not isinstance(self.cross_attention, CrossAttentionCache):
-            got = type(self.cross_attention).__name__
-            hint = (" (the transformers form EncoderDecoderCache(self_cache, cross_cache)): pass the encoder's "
-                    "states as CrossAttentionCache.from_layers(cross_cache.to_legacy_cache())"
-                    if hasattr(self.cross_attention, "write") else
-                    ": build it with CrossAttentionCache.from_layers([(k0, v0), ...])")
-            raise TypeError(f"{who}: cross_attention must be a CrossAttentionCache, got a {got}{hint}, and pair "
-                            f"the two with {who}.create(self_cache, cross_cache).")
-        if not hasattr(self.self_attention, "write"):
-            raise TypeError(f"{who}: self_attention must be a jaxkv cache (StaticCache, DynamicCache, ...), got a "
-                            f"{type(self.self_attention).__name__}; pair the two with {who}.create(self_cache, "
-                            "cross_cache).")
+        cross = self.cross_attention
+        if not isinstance(cross, CrossAttentionCache) and (
+            hasattr(cross, "write") or (hasattr(cross, "update") and hasattr(cross, "get_seq_length"))
+        ):
+            raise TypeError(
+                f"{who}: cross_attention must be a CrossAttentionCache, got a {type(cross).__name__} (the transformers "
+                "form EncoderDecoderCache(self_cache, cross_cache)): pass the encoder's states as "
+                f"CrossAttentionCache.from_layers(cross_cache.to_legacy_cache()), and pair the two with "
+                f"{who}.create(self_cache, cross_cache)."
+            )
 
     @classmethod
     def create(cls, self_attention: Any, cross_attention: CrossAttentionCache) -> EncoderDecoderCache:

@@ -126,9 +126,9 @@ class HybridCache(KVCache):
         from jaxkv.models.layer_types import attention_geometry, layer_types_from_config
 
         cfg = config if isinstance(config, Mapping) else config.to_dict()
-        types, window = layer_types_from_config(cfg)
+        types, window = layer_types_from_config(config)  # (a config object: its class's rule, not config.json's)
         heads = cfg["num_attention_heads"]
-        kv_heads, head_dim = attention_geometry(cfg)  # the models' rule: a left-out key is the class default
+        kv_heads, head_dim = attention_geometry(config)  # the models' rule: a left-out key is the class default
         return cls.init(
             layer_types=types,
             batch_size=batch_size,

@@ -715,15 +715,22 @@ class PagedCache(KVCache):
     def merge_rows(self, rows: Any, sub: PagedCache) -> PagedCache:
         """Puts a :meth:`take_rows` sub-cache back: its pool and counts, and its rows'
         block tables, lengths and flags at ``rows`` (padding entries, outside ``[0,
-        batch_size)``, dropped: a page one of them took is released, never held by no row)."""
+        batch_size)``, dropped: a page one of them took is released, never held by no row).
+        ``rows`` are those the sub-cache was taken with."""
         idx = _distinct_rows(rows, self.batch_size, "PagedCache.merge_rows")
         mine, theirs = self.stores[0], sub.stores[0]
         # A sub row merged as padding (a write into a padding row, or rows merged to other
         # entries than they were taken from) held its pages alone: they stayed counted with
         # no row holding them, lost to the pool for good (review 77).
         dropped = jnp.where((idx >= self.batch_size)[:, None], theirs.block_table, NO_PAGE)
-        theirs = theirs.pinned(dropped.reshape(-1), -1)
-        store = dataclasses.replace(theirs, block_table=mine.block_table.at[idx].set(theirs.block_table, mode="drop"))
+        released = theirs.pinned(dropped.reshape(-1), -1).refcount
+        table = mine.block_table.at[idx].set(theirs.block_table, mode="drop")
+        # Never below what the merged rows hold: merged at other entries than it was taken from
+        # (rows [0, 1] taken, [0, padding] merged), a sub row shares its pages with the parent
+        # row left as it was, which take_rows counted once (releasing them freed a page row 1
+        # still read; review 82).
+        refcount = jnp.maximum(released, _page_counts(table, self.num_pages))
+        store = dataclasses.replace(theirs, block_table=table, refcount=refcount)
         return dataclasses.replace(
             self, stores=(store,), lengths=self.lengths.at[:, idx].set(sub.lengths, mode="drop"),
             flags=self.flags.at[idx].set(sub.flags, mode="drop"),

@@ -161,6 +161,10 @@ class LlamaConfig:
             )
 
         model_type = hf.get("model_type")
+        if model_type == "ministral" and arch == "MistralForCausalLM":
+            # transformers re-saves a Mistral config.json with layer_types so (review 82), and
+            # its Auto classes build Ministral from it: the same weights, layers per layer_types
+            arch = "MinistralForCausalLM"
         if model_type and model_type != MODEL_TYPES[arch]:
             # transformers' AutoModel goes by model_type: it would build another model.
             raise ValueError(
@@ -762,6 +766,7 @@ class Llama(nnx.Module):
                 raise ValueError(f"Llama.__call__: logits_at must index the {num_tokens} tokens, [0, {num_tokens}), "
                                  f"got {np.asarray(at).tolist()} (e.g. num_new - 1 of a row with no tokens)")
             # traced: an index outside [0, T) reads NaN (take_along_axis fills), -1 no longer wraps to the last
+            at = _widen(at)  # an int8 -1 past 127 tokens: num_tokens wrapped (review 82)
             at = jnp.where(at < 0, num_tokens, at).astype(jnp.int32)
             x = jnp.take_along_axis(x, at[:, None, None], axis=1, mode="fill", fill_value=jnp.nan)  # [B, 1, E]
         x = self.norm(x)
