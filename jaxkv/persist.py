@@ -859,6 +859,25 @@ def _resize_blocks(one: KVCache, target: KVCache) -> KVCache:
     return dataclasses.replace(one, stores=tuple(stores))
 
 
+def _row_like(one: KVCache, target: KVCache) -> KVCache:
+    """A saved row (NumPy leaves) with the target's capacity (``"seq"`` axes cut or padded),
+    block-table width, and a page pool of at least the target's pages per row (zero pages
+    added, held by no one): the same shapes whatever the saved token count."""
+    sizes = iter([_seq_size(s) for s in target.stores])
+    one = _resize_blocks(_resize_seq(one, lambda store: next(sizes)), target)
+    stores = []
+    for mine, theirs in zip(one.stores, target.stores):
+        changed = {}
+        blocks = {f: axes.index("blocks") for f, axes in type(theirs).LEAF_AXES.items() if "blocks" in axes}
+        want = max((getattr(theirs, f).shape[a] for f, a in blocks.items()), default=0)
+        for field, axes in type(mine).LEAF_AXES.items():
+            x = getattr(mine, field)
+            if "pages" in axes and x is not None and x.shape[axes.index("pages")] < want:
+                changed[field] = _fit_axis(x, axes.index("pages"), want, 0)
+        stores.append(dataclasses.replace(mine, **changed))
+    return dataclasses.replace(one, stores=tuple(stores))
+
+
 @jax.jit
 def _select_row(cache: KVCache, row: jax.Array) -> KVCache:
     return cache.batch_select_indices(row[None])
@@ -1045,8 +1064,11 @@ def load_sequence(
         # copies of its last R (of n > P) only, so positions below P - R are all the row
         # may take from it: the prefill then writes the rest, exactly, as a fresh one would.
         k = min(k, max(ids.shape[0] - residual, 0))
-    one = jax.tree.unflatten(jax.tree.structure(target), [jnp.asarray(a) for a in leaves])
+    one = jax.tree.unflatten(jax.tree.structure(target), list(leaves))  # NumPy leaves
     _check_row_shapes(path, one, target)
+    # Sized like the target on the host: the row's own capacity and pages (its token count)
+    # were shapes of the jitted cut and put, a program of each per saved length (review 81).
+    one = jax.tree.map(jnp.asarray, _row_like(one, target))
     if k:
         one, lost = _cut_row(one, jnp.int32(k))
         k = 0 if bool(lost) else k

@@ -223,6 +223,39 @@ def test_sequence_onto_larger_and_smaller_caches(kind, tmp_path):
         np.testing.assert_array_equal(np.asarray(out.lengths)[:, others], np.asarray(target.lengths)[:, others])
 
 
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_rows_of_other_lengths_load_without_compiling_again(kind, tmp_path):
+    """The saved row's own capacity and page count (its token count) were shapes of the
+    jitted cut and put: each new saved length compiled them again (review 81)."""
+    states = jnp.asarray(np.random.default_rng(3).standard_normal((2, SIZES["num_kv_heads"], 6, SIZES["head_dim"])),
+                         jnp.float32)
+    src = make(kind)
+    for layer in range(2):
+        src = src.update(states, -states, layer, num_new=np.array([3, 6]))[0]
+    target = make(kind, batch_size=2, max_length=16)
+    ids = [11, 12, 13, 14, 15, 16]
+    for row, n in ((0, 3), (1, 6)):
+        save_sequence(tmp_path / f"{n}.safetensors", src, row, model_fingerprint="m", token_ids=ids[:n])
+    load_sequence(tmp_path / "3.safetensors", target, 0, model_fingerprint="m", token_ids=ids)  # compiles
+    compiles = []
+
+    def listen(event, _, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out, k = load_sequence(tmp_path / "6.safetensors", target, 0, model_fingerprint="m", token_ids=ids)
+        jax.block_until_ready(out.lengths)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert k == 6 and compiles == [], compiles
+    for layer in range(2):
+        got, want = out.view(layer).dense(), src.view(layer).dense()
+        np.testing.assert_array_equal(np.asarray(got.keys)[0, :, :6], np.asarray(want.keys)[1, :, :6])
+        np.testing.assert_array_equal(np.asarray(got.values)[0, :, :6], np.asarray(want.values)[1, :, :6])
+
+
 def test_sequence_prefix_rules(tmp_path):
     src = with_rows(randomized(make("static")), [6, 6])
     path = tmp_path / "row.safetensors"
