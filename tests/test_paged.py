@@ -535,3 +535,19 @@ def test_a_page_a_padding_row_took_is_released_on_merge():
     merged = merged.update(jnp.full((3, 1, 2, 2), 9.0), jnp.full((3, 1, 2, 2), 9.0), 0, num_new=jnp.array([1, 0, 0]))[0]
     assert_accounting(merged)
     assert (np.asarray(merged[0][0])[1, 0, :2] == 1.0).all()  # row 1 still reads its own tokens
+
+
+def test_merge_rows_takes_one_entry_per_sub_row():
+    """A 1-row sub-cache merged at 2 rows was copied onto both: row 1 read row 0's tokens and
+    its own page leaked, check() passing (review 84). A count other than the sub's rows, or a
+    sub that is not a PagedCache, is a named error."""
+    cache = PagedCache.init(num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=4, page_size=2,
+                            num_pages=4)
+    cache = cache.update(jnp.ones((2, 1, 2, 2)), jnp.ones((2, 1, 2, 2)), 0)[0]
+    sub = cache.take_rows(jnp.array([0]))
+    with pytest.raises(ValueError, match=r"rows must name one entry per row of sub \(1\), got shape \[2\]"):
+        cache.merge_rows(jnp.array([0, 1]), sub)
+    with pytest.raises(TypeError, match="sub must be the PagedCache take_rows returned, got StaticCache"):
+        cache.merge_rows(jnp.array([0]), StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2,
+                                                           max_length=4))
+    assert_accounting(cache.merge_rows(jnp.array([0]), sub))

@@ -408,3 +408,18 @@ def test_all_zero_tokens_attend_exactly(kind, bits):
                 w = np.exp(logits - logits.max())
                 want[b, h, i] = (w / w.sum()) @ v[: i + 1]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)  # exact codes: float32 rounding (measured 3.4e-6 relative)
+
+
+def test_dequantize_refuses_codes_of_the_other_width():
+    """quantize(x, 4) read back without bits=4 gave [..., D/2] values ~65 off, int8 codes read
+    with bits=4 [..., 2D], silently (review 84)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8)), jnp.float32)
+    q4, s4 = quantize(x, bits=4)
+    q8, s8 = quantize(x, bits=8)
+    with pytest.raises(ValueError, match=r"bits=8 reads int8 codes \(quantize's\), got uint8; .*bits=4"):
+        dequantize(q4, s4)
+    with pytest.raises(ValueError, match=r"bits=4 reads uint8 codes \(quantize's\), got int8"):
+        dequantize(q8, s8, bits=4)
+    with pytest.raises(ValueError, match=r"scale must have shape \[3\]"):
+        dequantize(q8, s8[:2])
+    assert dequantize(q4, s4, bits=4).shape == x.shape

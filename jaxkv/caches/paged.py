@@ -717,7 +717,15 @@ class PagedCache(KVCache):
         block tables, lengths and flags at ``rows`` (padding entries, outside ``[0,
         batch_size)``, dropped: a page one of them took is released, never held by no row).
         ``rows`` are those the sub-cache was taken with."""
-        idx = _distinct_rows(rows, self.batch_size, "PagedCache.merge_rows")
+        who = "PagedCache.merge_rows"
+        if not isinstance(sub, PagedCache):
+            raise TypeError(f"{who}: sub must be the PagedCache take_rows returned, got {type(sub).__name__}.")
+        idx = _distinct_rows(rows, self.batch_size, who)
+        if idx.shape != (sub.batch_size,):
+            # One entry per sub row: a 1-row sub merged at 2 rows was copied onto both (the
+            # second row read the first's tokens, its own page leaked; review 84).
+            raise ValueError(f"{who}: rows must name one entry per row of sub ({sub.batch_size}), got shape "
+                             f"{list(idx.shape)}; pass the rows take_rows was given.")
         mine, theirs = self.stores[0], sub.stores[0]
         # A sub row merged as padding (a write into a padding row, or rows merged to other
         # entries than they were taken from) held its pages alone: they stayed counted with

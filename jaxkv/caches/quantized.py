@@ -117,8 +117,23 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = jnp.bfloat16) -> tuple
 
 
 def dequantize(q: Array, scale: Array, bits: int = 8, dtype: Any = jnp.float32) -> Array:
-    """Inverse of :func:`quantize`: ``[..., D]`` in ``dtype``."""
+    """Inverse of :func:`quantize`: ``[..., D]`` in ``dtype``.
+
+    Raises:
+      ValueError: codes of the other width (``quantize``'s int8 read with ``bits=4``, its
+        packed uint8 with ``bits=8``: [..., 2D] or [..., D/2] values, silently, before;
+        review 84) or a scale not of shape ``q.shape[:-1]``.
+    """
     bits = _check_bits(bits, "dequantize")
+    want = jnp.int8 if bits == 8 else jnp.uint8
+    if jnp.dtype(q.dtype) != want:
+        raise ValueError(
+            f"dequantize: bits={bits} reads {jnp.dtype(want).name} codes (quantize's), got {jnp.dtype(q.dtype).name}; "
+            f"pass the bits the codes were made with (bits={4 if bits == 8 else 8}?)."
+        )
+    if tuple(scale.shape) != tuple(q.shape[:-1]):
+        raise ValueError(f"dequantize: scale must have shape {list(q.shape[:-1])} (one per code row), got "
+                         f"{list(scale.shape)}.")
     if bits == 8:
         values = q.astype(jnp.float32)
     else:
