@@ -439,6 +439,12 @@ def _offloaded_model_class():
                        **unused: Any) -> OffloadedCache:
             if kind not in ("static", "offloaded"):
                 raise ValueError(f"an offloaded model allocates kind 'offloaded' (or 'static'), got {kind!r}")
+            options = sorted(k for k, v in unused.items() if v is not None and k != "sharding")
+            if options:  # dropped, they gave a plain float cache silently (review 84)
+                raise ValueError(
+                    f"an offloaded model's cache is a float cache in host memory: {', '.join(options)} "
+                    "(another kind's options) cannot apply; offload the plain model for those kinds"
+                )
             if unused.get("sharding") is not None:  # would be dropped: a silently unsharded cache
                 raise ValueError(
                     "an offloaded model's cache lives in one device's host memory and cannot be sharded; "

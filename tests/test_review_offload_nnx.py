@@ -293,3 +293,24 @@ def test_a_cache_kind_defined_after_registration_serializes_with_flax():
     np.testing.assert_array_equal(np.asarray(back.lengths), np.asarray(cache.lengths))
     np.testing.assert_array_equal(np.asarray(back.values[0, 0, :, :1]), np.asarray(cache.values[0, 0, :, :1]))
     assert float(back.values[0, 0, 0, 0, 0]) == 2.0
+
+
+def test_inputs_that_were_truncated_or_dropped_are_named_errors():
+    """Review 84: a float logits_at was truncated (1.7 read as 1); an offloaded model's
+    init_cache dropped another kind's options (bits=4: a float cache, silently);
+    token_positions returned [rows, T] for a batch_size the cache does not hold."""
+    from jaxkv.attention import token_positions
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(num_layers=1), rngs=nnx.Rngs(0))
+    tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(TypeError, match=r"logits_at must be an integer array of shape \[2\] .* got float32\[2\]"):
+        model(tokens, None, logits_at=jnp.array([1.7, 1.2]))
+    with pytest.raises(TypeError, match=r"got int32\[\]"):
+        model(tokens, None, logits_at=jnp.int32(2))
+    with pytest.raises(ValueError, match=r"float cache in host memory: bits, page_size .*cannot apply"):
+        offload_model(model).init_cache(2, 8, bits=4, page_size=16)
+    cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
+    with pytest.raises(ValueError, match=r"batch_size=3, but the cache holds 1 rows"):
+        token_positions(cache, 3, 2)
+    assert token_positions(cache, 1, 2).shape == (1, 2)

@@ -37,6 +37,9 @@ def token_positions(cache: Any, batch_size: int, num_tokens: int) -> jax.Array: 
     """
     if cache is None:
         return jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch_size, num_tokens))
+    rows = getattr(cache, "batch_size", None)
+    if isinstance(rows, int) and rows != batch_size:  # [rows, T] came back for [B, T] (review 84)
+        raise ValueError(f"token_positions: batch_size={batch_size}, but the cache holds {rows} rows.")
     return cache.positions(num_tokens, 0, batch_size=batch_size)
 
 

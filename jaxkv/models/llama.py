@@ -762,6 +762,10 @@ class Llama(nnx.Module):
                 dataclasses.replace(after, flags=jnp.asarray(new)).check()
         if logits_at is not None:
             at = jnp.asarray(logits_at)
+            if not jnp.issubdtype(at.dtype, jnp.integer) or at.shape != (batch,):
+                # a float index was truncated (1.7 read as 1), a scalar an IndexError (review 84)
+                raise TypeError(f"Llama.__call__: logits_at must be an integer array of shape [{batch}] (one token "
+                                f"index per row), got {at.dtype}{list(at.shape)}")
             if not isinstance(at, jax.core.Tracer) and at.size and not ((at >= 0) & (at < num_tokens)).all():
                 raise ValueError(f"Llama.__call__: logits_at must index the {num_tokens} tokens, [0, {num_tokens}), "
                                  f"got {np.asarray(at).tolist()} (e.g. num_new - 1 of a row with no tokens)")
