@@ -255,3 +255,27 @@ def test_check_inside_jit_and_to_dynamic_of_ragged_rows_say_what_to_do():
         cache.to_dynamic()
     with pytest.raises(ValueError, match=r"^StaticCache.to_legacy_cache: layer 0"):
         cache.to_legacy_cache()
+
+
+def test_plausible_wrong_arguments_are_named_errors():
+    """Review 84: each was a raw error naming nothing (JAX's "None is not a valid value",
+    AttributeError, dataclasses.replace's TypeError), a dtype error for an empty page list,
+    or a string's characters reported as layer types."""
+    import jax.numpy as jnp
+
+    from jaxkv import DynamicCache, HybridCache, PagedCache, StaticCache
+
+    cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
+    k = jnp.ones((1, 1, 1, 2))
+    for call, exc, match in [
+        (lambda: cache.update(k, None, 0), TypeError, "StaticCache.update: value_states is None"),
+        (lambda: DynamicCache.from_legacy_cache(((None, k),)), TypeError, r"\(layer 0\): key_states is None"),
+        (lambda: StaticCache.from_dynamic(((k, k),), max_length=8), TypeError, r"use StaticCache.from_legacy_cache"),
+        (lambda: cache.put_rows(jnp.array([0]), None), TypeError, "other must be a jaxkv cache of the same kind"),
+        (lambda: HybridCache.init(layer_types="full_attention", batch_size=1, num_kv_heads=1, head_dim=2, max_length=4),
+         ValueError, r"got the string 'full_attention'"),
+    ]:
+        with pytest.raises(exc, match=match):
+            call()
+    paged = PagedCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4, page_size=2)
+    assert paged.retain([]).free_pages == paged.release([]).free_pages == paged.free_pages

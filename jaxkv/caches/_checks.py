@@ -54,6 +54,8 @@ def _flag(condition: Array, bit: int) -> Array:
 
 
 def _as_array(x: Any, name: str, who: str) -> Array:
+    if x is None:  # JAX's "None is not a valid value for jnp.array" named no argument (review 84)
+        raise TypeError(f"{who}: {name} is None; pass a [batch, kv_heads, new_tokens, head_dim] float array.")
     if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
         x = x.detach()  # a torch tensor out of a forward pass without no_grad: its values, as they are
     try:

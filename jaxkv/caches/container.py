@@ -518,6 +518,9 @@ class KVCache:
             first entry (the later ones are skipped), on every backend.
         """
         who = f"{self._name}.put_rows"
+        if not isinstance(other, KVCache):  # dataclasses.replace's error named nothing (review 84)
+            raise TypeError(f"{who}: other must be a jaxkv cache of the same kind (its rows to put), got "
+                            f"{type(other).__name__}.")
         if jax.tree.structure(self) != jax.tree.structure(dataclasses.replace(other, sharding=self.sharding)):
             raise TypeError(
                 f"{who}: the other cache has another {_static_difference(self, other)}. Prefill the rows in "

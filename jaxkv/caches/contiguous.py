@@ -159,6 +159,9 @@ class StaticCache(KVCache):
 
         Typical use: prefill with a dynamic cache, then decode in a static one.
         """
+        if not hasattr(cache, "to_legacy_cache"):  # a tuple of pairs: AttributeError before (review 84)
+            raise TypeError(f"StaticCache.from_dynamic takes a DynamicCache, got {type(cache).__name__}; for "
+                            "((k0, v0), ...) pairs use StaticCache.from_legacy_cache(pairs, max_length=...).")
         if len(cache) == 0:
             raise ValueError("StaticCache.from_dynamic: the dynamic cache has no layers.")
         layers = cache.to_legacy_cache()

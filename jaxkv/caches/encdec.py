@@ -342,7 +342,7 @@ class EncoderDecoderCache:
         return self.self_attention.view(layer_idx)
 
     def cross_view(self, layer_idx: Any) -> LayerView:
-        """The cross-attention :class:`~jaxkv.sliding.LayerView` of ``layer_idx``:
+        """The cross-attention :class:`~jaxkv.caches.LayerView` of ``layer_idx``:
         ``attend(q, v.keys, v.values, q_positions=positions, kv_lengths=v.kv_lengths,
         kv_positions=v.kv_positions)`` lets every query see every real encoder token."""
         return self.cross_attention.view(layer_idx)

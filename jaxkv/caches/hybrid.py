@@ -82,6 +82,9 @@ class HybridCache(KVCache):
           ValueError: an unknown layer type, no layers, or sliding layers without a window.
         """
         who = "HybridCache.init"
+        if isinstance(layer_types, str):  # its characters were reported as layer types (review 84)
+            raise ValueError(f"{who}: layer_types is a sequence of one type per layer, got the string "
+                             f"{layer_types!r}; e.g. [{layer_types!r}] * num_layers.")
         types = tuple(layer_types)
         if not types:
             raise ValueError(f"{who}: layer_types is empty; a cache needs at least one layer.")

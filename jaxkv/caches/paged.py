@@ -814,6 +814,8 @@ class PagedCache(KVCache):
     def _pinned(self, pages: Any, delta: int, who: str) -> PagedCache:
         traced = _is_traced(pages)
         pages = pages if traced else np.asarray(pages)  # checked in its own dtype, never narrowed first
+        if not traced and pages.size == 0:  # [] is float64 to NumPy: no pages, not a dtype error (review 84)
+            pages = pages.astype(np.int32)
         if not jnp.issubdtype(pages.dtype, jnp.integer):
             raise TypeError(f"{who}: pages must be integer page ids, got dtype {pages.dtype}.")
         pages = pages.reshape(-1)
