@@ -275,3 +275,18 @@ def test_no_new_tokens_without_a_cache_is_an_empty_output():
     out = attend(empty, jnp.zeros((2, 2, 0, 8)), jnp.zeros((2, 2, 0, 8)), q_positions=jnp.zeros((2, 0), jnp.int32),
                  kv_lengths=jnp.zeros((2,), jnp.int32))
     assert out.shape == (2, 4, 0, 8)
+
+
+def test_positions_and_lengths_as_python_lists_and_ints():
+    """A list q_positions or list kv_lengths was an AttributeError ('list' object has no
+    attribute 'shape'; review 84): read as arrays, the same output as arrays give."""
+    from jaxkv.attention import blockwise_attend
+
+    q, k, v, q_pos, kv_len = _random_case(4, 2, 4, 2, 3, 8, 16)
+    want = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_pos),
+                  kv_lengths=jnp.asarray(kv_len))
+    for fn in (attend, blockwise_attend):
+        got = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=np.asarray(q_pos).tolist(),
+                 kv_lengths=np.asarray(kv_len).tolist())
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    assert attention_mask(np.asarray(q_pos).tolist(), np.asarray(kv_len).tolist(), num_slots=16).shape[0] == len(kv_len)

@@ -264,6 +264,7 @@ def test_plausible_wrong_arguments_are_named_errors():
     import jax.numpy as jnp
 
     from jaxkv import DynamicCache, HybridCache, PagedCache, StaticCache
+    from jaxkv.models import LlamaConfig
 
     cache = StaticCache.init(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_length=4)
     k = jnp.ones((1, 1, 1, 2))
@@ -274,6 +275,11 @@ def test_plausible_wrong_arguments_are_named_errors():
         (lambda: cache.put_rows(jnp.array([0]), None), TypeError, "other must be a jaxkv cache of the same kind"),
         (lambda: HybridCache.init(layer_types="full_attention", batch_size=1, num_kv_heads=1, head_dim=2, max_length=4),
          ValueError, r"got the string 'full_attention'"),
+        (lambda: HybridCache.from_config(LlamaConfig.tiny(), batch_size=1, max_length=4), TypeError,
+         r"got LlamaConfig; for a jaxkv model use model.init_cache"),
+        (lambda: HybridCache.from_config({"num_hidden_layers": 2, "hidden_size": 8}, batch_size=1, max_length=4),
+         ValueError, "the config has no num_attention_heads"),
+        (lambda: LlamaConfig.from_hf("config.json"), TypeError, r"got str; for a checkpoint directory use"),
     ]:
         with pytest.raises(exc, match=match):
             call()

@@ -118,6 +118,11 @@ def test_rejects_requests_that_do_not_fit(loop, model):
     # which request: it said only "max_new_tokens must be a Python int >= 1, got 0"
     with pytest.raises(ValueError, match=r"ServingLoop.run: request 'c' max_new_tokens must be a Python int >= 1, got 0"):
         loop.run([Request([1], 4), Request([1], 0, id="c")])
+    # one Request, a (prompt, n) tuple: "not iterable", "no attribute 'prompt'" (review 84)
+    with pytest.raises(TypeError, match="takes a list of Requests, got one Request"):
+        loop.run(Request([1], 4))
+    with pytest.raises(TypeError, match=r"request 0 must be a Request\(prompt, max_new_tokens, ...\), got tuple"):
+        loop.run([([1], 4)])
     with pytest.raises(ValueError, match="policy must be"):
         ServingLoop(model, num_slots=2, max_length=8, policy="fifo")
     with pytest.raises(ValueError, match=r"prefill_rows \(3\) must be <= num_slots \(2\)"):

@@ -121,6 +121,7 @@ def blockwise_attend(
       ValueError: mismatched shapes, Hq not a multiple of H, bad window, block size or
         implementation; ``implementation="kernel"`` that cannot be honoured.
     """
+    q_positions, kv_lengths = as_index_arrays(q_positions, kv_lengths)
     kv_rank = 4 if layer_idx is None else 5
     if queries.ndim != 4 or keys.ndim != kv_rank or keys.shape != values.shape:
         raise ValueError(
@@ -312,6 +313,12 @@ def _window_start(q, sliding_window: int):
     ``q``: compared before it is subtracted."""
     reach = window_reach(sliding_window)
     return jnp.where(q > reach, q - reach, 0).astype(jnp.int32)
+
+
+def as_index_arrays(*xs: Any) -> tuple:
+    """Positions and lengths given as Python ints or lists, as arrays (``.shape`` was an
+    AttributeError; review 84); arrays, tracers and None as they are."""
+    return tuple(x if x is None or hasattr(x, "shape") else jnp.asarray(x) for x in xs)
 
 
 def check_int_inputs(who: str, **arrays) -> None:

@@ -51,7 +51,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.blockwise import check_int_inputs, check_softcap, pv_operands, window_reach
+from jaxkv.attention.blockwise import as_index_arrays, check_int_inputs, check_softcap, pv_operands, window_reach
 
 __all__ = ["attend", "attention_mask"]
 
@@ -95,6 +95,7 @@ def attention_mask(
     Raises:
         ValueError: on shapes that do not match or a non-positive window.
     """
+    q_positions, kv_lengths, kv_positions = as_index_arrays(q_positions, kv_lengths, kv_positions)
     _check_window(sliding_window)
     if q_positions.ndim != 2:
         raise ValueError(
@@ -177,6 +178,7 @@ def attend(
             )
     if keys.shape != values.shape:
         raise ValueError(f"keys and values must have the same shape, got {list(keys.shape)} and {list(values.shape)}")
+    q_positions, kv_lengths, kv_positions = as_index_arrays(q_positions, kv_lengths, kv_positions)
     batch, num_q_heads, num_tokens, head_dim = queries.shape
     kv_batch, num_kv_heads, num_slots, kv_head_dim = keys.shape
     if kv_batch != batch or kv_head_dim != head_dim:

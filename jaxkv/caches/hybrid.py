@@ -128,6 +128,17 @@ class HybridCache(KVCache):
         # The rule is pure Python (no flax): the one place that reads HF layer kinds.
         from jaxkv.models.layer_types import attention_geometry, layer_types_from_config
 
+        if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):  # AttributeError before (review 84)
+            raise TypeError(
+                f"HybridCache.from_config takes an HF config (a config.json dict or a transformers PretrainedConfig), "
+                f"got {type(config).__name__}; for a jaxkv model use model.init_cache(batch_size, max_length, "
+                "kind='hybrid')."
+            )
+        missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers")
+                   if (config.get(k) if isinstance(config, Mapping) else getattr(config, k, None)) is None]
+        if missing:  # a bare KeyError before
+            raise ValueError(f"HybridCache.from_config: the config has no {', '.join(missing)}.")
+
         cfg = config if isinstance(config, Mapping) else config.to_dict()
         types, window = layer_types_from_config(config)  # (a config object: its class's rule, not config.json's)
         heads = cfg["num_attention_heads"]

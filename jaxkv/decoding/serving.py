@@ -233,7 +233,13 @@ class ServingLoop:
                 request's fault).
         """
         who = "ServingLoop.run"
+        if isinstance(requests, Request):  # "'Request' object is not iterable" (review 84)
+            raise TypeError(f"{who} takes a list of Requests, got one Request; pass [request].")
+        requests = list(requests)
         for index, request in enumerate(requests):
+            if not isinstance(request, Request):  # a (prompt, n) tuple: AttributeError 'prompt' before
+                raise TypeError(f"{who}: request {index} must be a Request(prompt, max_new_tokens, ...), got "
+                                f"{type(request).__name__}")
             self._check(request, index, who)
         ids = [i if r.id is None else r.id for i, r in enumerate(requests)]
         pending = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))

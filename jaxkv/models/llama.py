@@ -152,6 +152,9 @@ class LlamaConfig:
                 model than the architecture, or a missing required key (the message names
                 ``source`` and the key).
         """
+        if not isinstance(hf, Mapping):  # a path gave "'str' object has no attribute 'get'" (review 84)
+            raise TypeError(f"LlamaConfig.from_hf takes the config.json dictionary, got {type(hf).__name__}; "
+                            "for a checkpoint directory use jaxkv.models.from_pretrained(path).")
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
